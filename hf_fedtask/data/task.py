@@ -1,0 +1,45 @@
+"""A task: a `datasets.DatasetDict` with train/test splits, a text column, a ClassLabel label column
+and a metric. This is the unit every partitioner, client and evaluator works with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from datasets import ClassLabel, DatasetDict
+
+
+@dataclass
+class Task:
+    name: str
+    dataset: DatasetDict
+    text_column: str = "text"
+    label_column: str = "label"
+    metric: str = "accuracy"
+    group: str | None = None
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for split in ("train", "test"):
+            if split not in self.dataset:
+                raise ValueError(f"task {self.name!r}: missing split {split!r}")
+        features = self.dataset["train"].features
+        for col in (self.text_column, self.label_column):
+            if col not in features:
+                raise ValueError(f"task {self.name!r}: missing column {col!r}")
+        if not isinstance(features[self.label_column], ClassLabel):
+            raise ValueError(f"task {self.name!r}: label column {self.label_column!r} must be a ClassLabel")
+
+    @property
+    def label_names(self) -> list[str]:
+        return list(self.dataset["train"].features[self.label_column].names)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+    @property
+    def chance(self) -> float:
+        """Accuracy of always predicting the most frequent test label."""
+        labels = self.dataset["test"][self.label_column]
+        return max(labels.count(c) for c in set(labels)) / len(labels)
