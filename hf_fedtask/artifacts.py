@@ -1,0 +1,90 @@
+"""What a finished run leaves behind besides its checkpoint: one PEFT adapter folder per task
+(with a model card), a results table on the console, and a plot of the metric per round."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .export import save_adapter
+from .hub import render_model_card
+
+if TYPE_CHECKING:
+    from .federation import Simulation
+    from .strategies import GlobalState
+
+ADAPTERS_DIR = "adapters"
+
+
+def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir: Path) -> list[Path]:
+    """`run_dir/adapters/<task>/`: a stock PEFT adapter (shared modules + the task's head) per task."""
+    peft_config = sim.host.model.peft_config["default"]
+    folders = []
+    metrics = {name: {k: v for k, v in r.items() if k == r["metric"]} for name, r in results["tasks"].items()}
+    for task in sim.tasks:
+        info = {
+            "base_model": sim.base.model_id,
+            "task": task.name,
+            "label_names": task.label_names,
+            "num_labels": task.num_labels,
+            "strategy": sim.strategy.name,
+            "strategy_paper": sim.strategy.paper,
+            "peft_method": sim.config.peft_method,
+            "metrics": {task.name: metrics[task.name]},
+            "hyperparameters": {**sim.strategy.hyperparameters(), **_training_hparams(sim)},
+            "rounds": results["rounds"],
+            "num_clients": results["num_clients"],
+            "participation": sim.config.participation,
+            "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
+            "extra_notes": f"Inputs are tokenized with truncation to {sim.config.max_length} tokens.",
+        }
+        folder = save_adapter(
+            run_dir / ADAPTERS_DIR / task.name,
+            peft_config=peft_config,
+            state_dict=sim.strategy.task_parameters(state, task.name),
+            base_model_id=sim.base.model_id,
+            card=render_model_card(info),
+        )
+        folders.append(folder)
+    return folders
+
+
+def _training_hparams(sim: Simulation) -> dict:
+    c = sim.config
+    keys = ("peft_method", "lora_r", "lora_alpha", "local_epochs", "local_steps", "batch_size", "learning_rate",
+            "lr_scheduler", "zeta", "partition", "seed")
+    return {k: getattr(c, k) for k in keys}
+
+
+def results_table(results: dict) -> str:
+    """A plain-text per-task table of the final metric, with chance level for reference."""
+    rows = [("task", "group", "metric", "value", "chance", "n_test")]
+    for name, r in results["tasks"].items():
+        rows.append((name, r.get("group") or "", r["metric"], f"{r[r['metric']]:.4f}", f"{r['chance']:.3f}",
+                     str(r["num_examples"])))
+    rows.append(("mean", "", "", f"{results['mean_metric']:.4f}", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:
+    """PNG of each task's metric and the mean over rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [h["round"] for h in history]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for task in history[0]["eval"]:
+        values = [next(v for k, v in h["eval"][task].items() if k != "num_examples") for h in history]
+        ax.plot(rounds, values, color="0.75", linewidth=0.8)
+    ax.plot(rounds, [h["mean_metric"] for h in history], color="C0", linewidth=2.5, label="mean over tasks")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test metric")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,132 @@
+"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export.
+
+Every failure on bad input is one line on stderr and a non-zero exit; nothing on disk is replaced."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .config import add_config_arguments, config_from_args
+from .errors import FedTaskError
+
+
+def _run(args) -> int:
+    from .artifacts import results_table
+    from .federation import run
+
+    config = config_from_args(args)
+    results = run(config, resume=args.resume, overwrite=args.overwrite)
+    print(results_table(results))
+    print(f"results: {os.path.join(config.output_dir, 'results.json')}")
+    if config.export:
+        print(f"adapters: {os.path.join(config.output_dir, 'adapters')}/<task>  "
+              f"(push one with: hf-fedtask push {config.output_dir}/adapters/<task> --repo-id <you>/<name>)")
+    return 0
+
+
+def _inspect(args) -> int:
+    from .taskvector import inspect_file
+
+    print(inspect_file(args.file))
+    return 0
+
+
+def _export(args) -> int:
+    from .artifacts import export_adapters
+    from .checkpoint import load_checkpoint
+    from .config import RunConfig
+    from .federation import RUN_CONFIG_FILE, Simulation, _results
+
+    config = RunConfig.from_yaml(os.path.join(args.run_dir, RUN_CONFIG_FILE))
+    sim = Simulation(config)
+    state, history = load_checkpoint(args.run_dir, fingerprint=config.fingerprint(),
+                                     template=sim.strategy.init_state(sim.host, sim.tasks, config.seed))
+    folders = export_adapters(sim, state, _results(sim, state, history), args.run_dir)
+    for folder in folders:
+        print(folder)
+    return 0
+
+
+def _evaluate(args) -> int:
+    from .standalone import evaluate_adapter
+
+    print(json.dumps(evaluate_adapter(args.adapter_dir, args.task, split=args.split, max_length=args.max_length)))
+    return 0
+
+
+def _push(args) -> int:
+    from .hub import push_to_hub
+
+    url = push_to_hub(args.folder, args.repo_id, token=args.token, private=args.private, endpoint=args.endpoint)
+    print(url)
+    return 0
+
+
+def _suite_export(args) -> int:
+    from .data import export_suite
+
+    for path in export_suite(args.name, args.out_dir, seed=args.seed):
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-fedtask", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run (or resume) a federated job")
+    add_config_arguments(p)
+    p.add_argument("--resume", action="store_true", help="continue from the last finished round in --output-dir")
+    p.add_argument("--overwrite", action="store_true", help="delete what --output-dir holds and start over")
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("inspect", help="print a task-vector file's metadata, keys, shapes and size")
+    p.add_argument("file")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("export", help="(re)write the PEFT adapters of a run from its checkpoint")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("evaluate", help="evaluate a PEFT adapter folder on a task with stock PEFT")
+    p.add_argument("adapter_dir")
+    p.add_argument("--task", required=True, help="builtin task name, local dataset path or Hub id")
+    p.add_argument("--split", default="test")
+    p.add_argument("--max-length", type=int, default=32)
+    p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser("push", help="push an adapter folder to the Hugging Face Hub")
+    p.add_argument("folder")
+    p.add_argument("--repo-id", required=True)
+    p.add_argument("--token", default=None)
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    p.set_defaults(func=_push)
+
+    p = sub.add_parser("suite", help="builtin task suites")
+    suite_sub = p.add_subparsers(dest="suite_command", required=True)
+    s = suite_sub.add_parser("export", help="save each task of a suite with datasets.save_to_disk, with its card")
+    s.add_argument("name")
+    s.add_argument("out_dir")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_suite_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FedTaskError as e:
+        print(f"hf-fedtask: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-fedtask: interrupted; the last finished round is checkpointed (use --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The in-process federated simulator: sample clients, run `client_update`, move each update through
+its safetensors wire format (validated like any untrusted upload), `server_aggregate`, evaluate every
+task, log, checkpoint atomically. One PEFT model serves every client.
+
+The loop knows nothing about any algorithm: it only calls the strategy's two functions, so the same
+strategy objects can be driven by other engines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .artifacts import export_adapters, plot_metric_vs_round
+from .backbone import resolve_base_model
+from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from .client import LocalTrainer, LocalTrainingArgs
+from .config import RunConfig
+from .data import build_federation, load_suite, load_task
+from .data.task import Task
+from .errors import OutputDirError
+from .evaluation import evaluate
+from .host import PeftHost
+from .peft_methods import make_peft_config
+from .strategies import ClientJob, GlobalState, Strategy, build_strategy
+from .taskvector import TaskVector, peft_config_hash
+from .update import ClientUpdate, pack_vectors
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG_FILE = "run_config.yaml"
+METRICS_FILE = "metrics.jsonl"
+RESULTS_FILE = "results.json"
+PLOT_FILE = "accuracy_vs_round.png"
+
+
+def load_tasks(config: RunConfig) -> list[Task]:
+    if config.tasks:
+        tasks = [load_task(ref, seed=config.seed) for ref in config.tasks]
+    else:
+        tasks = load_suite(config.suite, seed=config.seed)
+    if config.max_train_samples:
+        for t in tasks:
+            n = min(config.max_train_samples, len(t.dataset["train"]))
+            t.dataset["train"] = t.dataset["train"].shuffle(seed=config.seed).select(range(n))
+    return tasks
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Path:
+    """Refuse an `output_dir` that holds something else, before any work starts (read-only)."""
+    run_dir = Path(config.output_dir)
+    saved = run_dir / RUN_CONFIG_FILE
+    if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
+        if not saved.exists():
+            raise OutputDirError(f"{run_dir}: output dir is not empty and holds no hf_fedtask run; choose another --output-dir")
+        previous = RunConfig.from_yaml(saved)
+        if previous.fingerprint() != config.fingerprint():
+            changed = [k for k, v in config.to_dict().items()
+                       if k not in RunConfig.RESUMABLE_CHANGES and previous.to_dict()[k] != v]
+            raise OutputDirError(
+                f"{run_dir}: already holds a different run (differs in {', '.join(changed)}); "
+                "choose another --output-dir or pass --overwrite"
+            )
+        if not resume:
+            raise OutputDirError(f"{run_dir}: already holds this run; pass --resume to continue it or --overwrite to restart")
+    elif resume and not (run_dir / CHECKPOINT_FILE).exists():
+        raise OutputDirError(f"{run_dir}: nothing to resume (no {CHECKPOINT_FILE})")
+    return run_dir
+
+
+def claim_output_dir(config: RunConfig, *, overwrite: bool) -> Path:
+    run_dir = Path(config.output_dir)
+    if overwrite and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.save_yaml(run_dir / RUN_CONFIG_FILE)
+    return run_dir
+
+
+@dataclass
+class RoundContext:
+    """Passed to round callbacks (progress hooks, tests that simulate a crash)."""
+
+    round: int
+    state: GlobalState
+    record: dict
+
+
+class Simulation:
+    """Everything a run needs, built once: tasks, client data, the one host model, the strategy."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.strategy: Strategy = build_strategy(config.strategy, config.to_dict())
+        self.tasks = load_tasks(config)
+        self.base = resolve_base_model(config.base_model, config.base_model_id)
+        peft_config = make_peft_config(
+            config.peft_method,
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=config.target_modules,
+            num_virtual_tokens=config.num_virtual_tokens,
+        )
+        self.host = PeftHost(self.base, peft_config, seed=config.seed, max_length=config.max_length)
+        self.peft_hash = peft_config_hash(self.host.model.peft_config["default"])
+        num_clients = config.num_clients or len(self.tasks)
+        federation = build_federation(
+            self.tasks,
+            num_clients,
+            zeta=config.zeta,
+            partition=config.partition,
+            alpha=config.alpha,
+            classes_per_client=config.classes_per_client,
+            seed=config.seed,
+            min_samples=config.min_samples,
+        )
+        by_name = {t.name: t for t in self.tasks}
+        self.client_data = [
+            {name: self.host.tokenize(ds, by_name[name]) for name, ds in client.items()} for client in federation
+        ]
+        self.test_data = {t.name: self.host.tokenize(t.dataset["test"], t) for t in self.tasks}
+        self.trainer = LocalTrainer(
+            self.host,
+            LocalTrainingArgs(
+                epochs=config.local_epochs,
+                max_steps=config.local_steps,
+                batch_size=config.batch_size,
+                learning_rate=config.learning_rate,
+                lr_scheduler=config.lr_scheduler,
+                warmup_steps=config.warmup_steps,
+                weight_decay=config.weight_decay,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+            ),
+        )
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_data)
+
+    def header(self) -> dict:
+        """Header fields every update must carry: the base model and PEFT config it was trained for."""
+        return {
+            "base_model": self.base.model_id,
+            "base_model_revision": self.base.revision,
+            "peft_config_hash": self.peft_hash,
+        }
+
+    def sample_clients(self, round_: int) -> list[int]:
+        """Participation ξ: a seeded sample of ⌈ξ·N⌉ clients, a function of (seed, round) only."""
+        m = max(1, int(np.ceil(self.config.participation * self.num_clients - 1e-9)))
+        rng = np.random.default_rng([self.config.seed, round_])
+        return sorted(int(c) for c in rng.choice(self.num_clients, size=m, replace=False))
+
+    def evaluate_all(self, state: GlobalState) -> dict[str, dict]:
+        return {
+            t.name: evaluate(self.host, self.strategy.task_parameters(state, t.name), self.test_data[t.name], t.metric,
+                             self.config.eval_batch_size)
+            for t in self.tasks
+        }
+
+    def run_round(self, state: GlobalState, round_: int) -> tuple[GlobalState, dict]:
+        start = time.perf_counter()
+        clients = self.sample_clients(round_)
+        updates: list[ClientUpdate] = []
+        up_bytes = down_bytes = 0
+        header = self.header()
+        for cid in tqdm(clients, desc=f"round {round_} clients", leave=False, dynamic_ncols=True):
+            tasks = sorted(self.client_data[cid])
+            downlink = pack_vectors(self.strategy.update_templates(state, tasks)).to_bytes()
+            down_bytes += len(downlink)
+            job = ClientJob(client_id=cid, round=round_, data=self.client_data[cid], seed=self.config.seed)
+            payload = self.strategy.client_update(state, job, self.trainer).to_bytes(**header)
+            up_bytes += len(payload)
+            updates.append(
+                ClientUpdate.from_bytes(
+                    payload,
+                    templates=self.strategy.update_templates(state, tasks),
+                    expect={k: v for k, v in header.items()},
+                    source=f"client {cid} (round {round_})",
+                )
+            )
+        state = self.strategy.server_aggregate(state, updates)
+        evals = self.evaluate_all(state)
+        losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
+        metric_values = [next(v for k, v in e.items() if k != "num_examples") for e in evals.values()]
+        record = {
+            "round": round_,
+            "clients": clients,
+            "train_loss": float(np.mean(losses)) if losses else None,
+            "eval": evals,
+            "mean_metric": float(np.mean(metric_values)),
+            "bytes_uplink": up_bytes,
+            "bytes_downlink": down_bytes,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        return state, record
+
+
+def run(
+    config: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    callbacks: list[Callable[[RoundContext], None]] = (),
+) -> dict:
+    """Run (or resume) a federated job described by `config`; returns the results dict that is also
+    written to `output_dir/results.json`."""
+    build_strategy(config.strategy, config.to_dict())  # fail fast on a bad name
+    check_output_dir(config, resume=resume, overwrite=overwrite)
+    sim = Simulation(config)  # bad suite/task/model names fail here, before anything is written
+    run_dir = claim_output_dir(config, overwrite=overwrite)
+    state = sim.strategy.init_state(sim.host, sim.tasks, config.seed)
+    history: list[dict] = []
+    if resume and (run_dir / CHECKPOINT_FILE).exists():
+        state, history = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=state)
+    write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
+    tracker = _Tracker(config, run_dir)
+    header = sim.header()
+    rounds = tqdm(range(state.round + 1, config.rounds + 1), desc="rounds", initial=state.round, total=config.rounds,
+                  dynamic_ncols=True)
+    for r in rounds:
+        state, record = sim.run_round(state, r)
+        history.append(record)
+        save_checkpoint(run_dir, state, history=history, fingerprint=config.fingerprint(), **header)
+        with open(run_dir / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tracker.log(record)
+        rounds.set_postfix(mean=f"{record['mean_metric']:.3f}")
+        for cb in callbacks:
+            cb(RoundContext(r, state, record))
+    tracker.close()
+    results = _results(sim, state, history)
+    write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    if history:
+        plot_metric_vs_round(history, run_dir / PLOT_FILE, title=f"{sim.strategy.name} on {config.suite or 'tasks'}")
+    if config.export:
+        export_adapters(sim, state, results, run_dir)
+    return results
+
+
+def _results(sim: Simulation, state: GlobalState, history: list[dict]) -> dict:
+    final = history[-1]["eval"] if history else sim.evaluate_all(state)
+    return {
+        "strategy": sim.strategy.name,
+        "strategy_paper": sim.strategy.paper,
+        "hyperparameters": sim.strategy.hyperparameters(),
+        "config": sim.config.to_dict(),
+        "base_model": sim.base.model_id,
+        "base_model_revision": sim.base.revision,
+        "peft_method": sim.config.peft_method,
+        "rounds": state.round,
+        "num_clients": sim.num_clients,
+        "tasks": {
+            t.name: {**final[t.name], "metric": t.metric, "num_labels": t.num_labels, "label_names": t.label_names,
+                     "chance": t.chance, "group": t.group}
+            for t in sim.tasks
+        },
+        "mean_metric": float(np.mean([v[t.metric] for t, v in zip(sim.tasks, final.values())])),
+        "bytes_uplink": sum(h["bytes_uplink"] for h in history),
+        "bytes_downlink": sum(h["bytes_downlink"] for h in history),
+        "trainable_parameters": sum(t.numel() for t in state.vectors[next(iter(state.vectors))].values()),
+    }
+
+
+class _Tracker:
+    """Per-round metrics to Accelerate's trackers (`report_to`: tensorboard, wandb, ...)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path):
+        self.accelerator = None
+        report_to = [r for r in config.report_to if r != "none"]
+        if report_to:
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(log_with=report_to, project_dir=str(run_dir / "logs"))
+            flat = {k: (json.dumps(v) if isinstance(v, (list, dict)) or v is None else v)
+                    for k, v in config.to_dict().items()}
+            self.accelerator.init_trackers("hf_fedtask", config=flat)
+
+    def log(self, record: dict) -> None:
+        if self.accelerator is None:
+            return
+        values = {"mean_metric": record["mean_metric"], "bytes_uplink": record["bytes_uplink"]}
+        if record["train_loss"] is not None:
+            values["train_loss"] = record["train_loss"]
+        for task, ev in record["eval"].items():
+            values.update({f"eval/{task}/{k}": v for k, v in ev.items() if k != "num_examples"})
+        self.accelerator.log(values, step=record["round"])
+
+    def close(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.end_training()

@@ -1,0 +1,60 @@
+"""Load and evaluate an exported adapter with stock PEFT only — the path a user without our
+training code takes, and the independent check of the numbers in results.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .backbone import load_sequence_classifier, load_tokenizer, resolve_base_model
+from .errors import ConfigError, FedTaskError
+
+
+def load_adapter_model(adapter_dir: str | Path):
+    """`(PeftModel, tokenizer)` for an adapter folder: the base named in adapter_config.json (the
+    embedded copy for the default MiniLM), a head sized from the saved classifier weights."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    config_file = adapter_dir / "adapter_config.json"
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not config_file.exists() or not weights.exists():
+        raise ConfigError(f"{adapter_dir}: not a PEFT adapter folder (needs adapter_config.json and adapter_model.safetensors)")
+    base_id = json.loads(config_file.read_text())["base_model_name_or_path"]
+    with safe_open(str(weights), "pt") as f:
+        head = [k for k in f.keys() if k.endswith("classifier.weight") or k.endswith("score.weight")]
+        if not head:
+            raise ConfigError(f"{weights}: no classification head (classifier.weight) in the adapter")
+        num_labels = f.get_slice(head[0]).get_shape()[0]
+    ref = resolve_base_model(base_id)
+    base = load_sequence_classifier(ref, num_labels)
+    try:
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise FedTaskError(f"{adapter_dir}: does not load onto {base_id} ({str(e).splitlines()[0]})") from None
+    return model.eval(), load_tokenizer(ref)
+
+
+@torch.no_grad()
+def evaluate_adapter(adapter_dir: str | Path, task: str, *, split: str = "test", max_length: int = 32,
+                     batch_size: int = 128) -> dict:
+    """Accuracy of the adapter on `task`'s split, computed with stock PEFT + transformers."""
+    from .data import load_task
+
+    model, tokenizer = load_adapter_model(adapter_dir)
+    t = load_task(task)
+    if split not in t.dataset:
+        raise ConfigError(f"task {t.name!r} has no split {split!r}")
+    data = t.dataset[split]
+    texts, labels = data[t.text_column], np.asarray(data[t.label_column])
+    preds = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i : i + batch_size], truncation=True, max_length=max_length, padding=True,
+                        return_tensors="pt")
+        preds.append(model(**enc).logits.argmax(-1))
+    accuracy = float((torch.cat(preds).numpy() == labels).mean())
+    return {"task": t.name, "split": split, "accuracy": accuracy, "num_examples": len(labels)}

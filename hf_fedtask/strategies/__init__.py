@@ -1,0 +1,16 @@
+"""Federated strategies, each a pair (client_update, server_aggregate); see `base.py`."""
+
+from .base import STRATEGIES, ClientJob, GlobalState, Strategy, build_strategy, head_name, register_strategy
+from .fedavg import FedAvg, FedProx
+
+__all__ = [
+    "STRATEGIES",
+    "ClientJob",
+    "FedAvg",
+    "FedProx",
+    "GlobalState",
+    "Strategy",
+    "build_strategy",
+    "head_name",
+    "register_strategy",
+]

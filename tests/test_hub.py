@@ -1,0 +1,155 @@
+"""Model cards and publishing, against the loopback Hub stand-in (no network)."""
+
+import socket
+import tomllib
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+from huggingface_hub import ModelCard
+from peft import LoraConfig, get_peft_model_state_dict
+from test_export import tiny_peft_model
+
+from hf_fedtask.errors import HubError
+from hf_fedtask.export import save_adapter
+from hf_fedtask.hub import push_to_hub, render_model_card
+from hub_stub import hub_stub  # noqa: F401  (fixture)
+
+INFO = {
+    "base_model": "me/tiny-bert",
+    "task": ["sst2", "agnews"],
+    "label_names": ["negative", "neutral", "positive"],
+    "repo_id": "me/fed-tiny",
+    "strategy": "fedprox",
+    "strategy_paper": "Li et al. 2020, https://arxiv.org/abs/1812.06127",
+    "peft_method": "lora",
+    "metrics": {"sst2": {"accuracy": 0.8125, "f1": 0.7931}, "agnews": {"accuracy": 0.6406}},
+    "hyperparameters": {"lr": 5e-4, "r": 4, "mu": 0.01},
+    "rounds": 5,
+    "num_clients": 4,
+    "participation": 0.5,
+    "bytes_communicated": 1234567,
+    "license": "apache-2.0",
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    """An exported tiny LoRA adapter folder with a rendered card."""
+    tmp = tmp_path_factory.mktemp("export")
+    model = tiny_peft_model(tmp / "base", LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"]))
+    return save_adapter(tmp / "adapter", peft_config=model.peft_config["default"],
+                        state_dict=get_peft_model_state_dict(model), base_model_id="me/tiny-bert",
+                        card=render_model_card(INFO))
+
+
+def test_card_metadata_and_body():
+    card = ModelCard(str(render_model_card(INFO)))
+    assert card.data.base_model == "me/tiny-bert"
+    assert card.data.library_name == "peft"
+    assert card.data.pipeline_tag == "text-classification"
+    assert card.data.license == "apache-2.0"
+    assert {"hf-fedtask", "federated-learning", "peft", "fedprox", "lora"} <= set(card.data.tags)
+    assert card.data.datasets == ["sst2", "agnews"]
+    assert {(r.dataset_name, r.metric_type, r.metric_value) for r in card.data.eval_results} == {
+        ("sst2", "accuracy", 0.8125), ("sst2", "f1", 0.7931), ("agnews", "accuracy", 0.6406)}
+    for text in ("| sst2 | 0.8125 | 0.7931 |", "| agnews | 0.6406 | – |", "num_labels=3,",
+                 "id2label={0: 'negative', 1: 'neutral', 2: 'positive'}",
+                 'PeftModel.from_pretrained(base, "me/fed-tiny")', "| Rounds | 5 |", "| Clients | 4 |",
+                 "50% of clients per round", "1,234,567", "| mu | 0.01 |", "arxiv.org/abs/1812.06127"):
+        assert text in card.text, text
+
+
+def test_minimal_card_renders_without_none_noise():
+    card = render_model_card({"base_model": "me/tiny-bert", "task": "sst2", "num_labels": 2})
+    assert "None" not in str(card)
+    assert "num_labels=2," in card.text and "id2label" not in card.text
+    assert "## Evaluation" not in card.text and "## Federation" not in card.text
+    assert ModelCard(str(card)).data.tags == ["hf-fedtask", "federated-learning", "peft", "text-classification"]
+
+
+@pytest.mark.parametrize("info, match", [
+    ({"task": "sst2", "num_labels": 2}, "base_model"),
+    ({"base_model": "me/b", "task": "sst2"}, "num_labels"),
+    ({"base_model": "me/b", "task": "sst2", "num_labels": 2, "label_names": ["a"]}, "num_labels=2"),
+    ({"base_model": "/local/base", "task": "sst2", "num_labels": 2}, "local path"),
+    ({"base_model": "me/b", "task": "sst2", "num_labels": 2, "metric": {}}, "unknown"),
+])
+def test_bad_card_info_is_rejected(info, match):
+    with pytest.raises(ValueError, match=match):
+        render_model_card(info)
+
+
+def test_push_uploads_every_file_byte_identical(hub_stub, adapter_dir):
+    endpoint, store = hub_stub
+    url = push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint=endpoint)
+    assert url.startswith(f"{endpoint}/me/fed-tiny/commit/")
+    assert store.repos["me/fed-tiny"] == {p.name: p.read_bytes() for p in adapter_dir.iterdir()}
+    assert len(store.repos["me/fed-tiny"]) == 3
+
+    push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint=endpoint)  # existing repo is fine
+
+
+def test_endpoint_from_hf_endpoint_env(hub_stub, adapter_dir, monkeypatch):
+    endpoint, store = hub_stub
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    push_to_hub(adapter_dir, "me/env-repo", token="hf_test")
+    assert set(store.repos["me/env-repo"]) == {p.name for p in adapter_dir.iterdir()}
+
+
+def test_connection_refused_is_one_line_hub_error(hub_stub, adapter_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(HubError) as err:
+        push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint=closed)
+    message = str(err.value)
+    assert "\n" not in message and "'me/fed-tiny'" in message and closed in message and "ConnectError" in message
+
+
+@pytest.mark.parametrize("status", [401, 500])
+def test_server_error_is_one_line_hub_error(hub_stub, adapter_dir, status):
+    endpoint, store = hub_stub
+    store.fail_status = status
+    with pytest.raises(HubError) as err:
+        push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint=endpoint)
+    message = str(err.value)
+    assert "\n" not in message and "'me/fed-tiny'" in message and str(status) in message
+    assert store.repos == {}
+
+
+def test_offline_mode_is_hub_error(adapter_dir, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubError, match="OfflineModeIsEnabled"):
+        push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint="http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("breakage", ["no_weights", "no_config", "local_base"])
+def test_non_adapter_folder_fails_before_any_request(hub_stub, adapter_dir, tmp_path, breakage):
+    endpoint, store = hub_stub
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for path in adapter_dir.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    if breakage == "no_weights":
+        (folder / "adapter_model.safetensors").unlink()
+    elif breakage == "no_config":
+        (folder / "adapter_config.json").unlink()
+    else:
+        config = folder / "adapter_config.json"
+        config.write_text(config.read_text().replace('"me/tiny-bert"', f'"{tmp_path}"'))
+    with pytest.raises(HubError):
+        push_to_hub(folder, "me/fed-tiny", token="hf_test", endpoint=endpoint)
+    assert store.requests == []
+
+
+def test_templates_are_packaged_with_every_subpackage():
+    """pyproject lists packages by hand (to map model_cards/ to hf_fedtask.model_cards): every
+    hf_fedtask subpackage must be listed, and the card template must ship as package data."""
+    root = Path(__file__).resolve().parents[1]
+    setuptools_cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "hf_fedtask").rglob("__init__.py")}
+    assert found | {"hf_fedtask.model_cards"} == set(setuptools_cfg["packages"])
+    assert setuptools_cfg["package-dir"]["hf_fedtask.model_cards"] == "model_cards"
+    assert "*.j2" in setuptools_cfg["package-data"]["hf_fedtask.model_cards"]
+    assert (root / "model_cards" / "adapter_card.md.j2").is_file()
