@@ -211,7 +211,7 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
         pieces = torch.split(flat, sizes)
         return cls(
             {
-                k: piece.reshape(shape)
+                k: piece.reshape(shape) if dtype is None else piece.reshape(shape).to(dtype)
                 for (k, (shape, dtype)), piece in zip(specs.items(), pieces)
             }
         )

@@ -287,7 +287,7 @@ def test_failed_save_leaves_existing_file_untouched(tmp_path, monkeypatch, tv, m
     before = path.read_bytes()
 
     unserializable = TaskVector({"a": torch.ones(3).to_sparse()})
-    with pytest.raises(Exception):
+    with pytest.raises((RuntimeError, ValueError)):  # safetensors stores dense tensors only
         unserializable.save(path, metadata=meta)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["out.safetensors"]
 

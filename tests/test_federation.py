@@ -1,0 +1,147 @@
+"""End-to-end runs of the simulator on a tiny model: outputs, PEFT reload, resume, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_fedtask import federation
+from hf_fedtask.cli import main
+from hf_fedtask.config import RunConfig
+from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
+from hf_fedtask.strategies import FedAvg
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_after(round_):
+    def callback(ctx):
+        if ctx.round == round_:
+            raise Crash
+
+    return callback
+
+
+def test_run_writes_metrics_results_checkpoint_and_peft_adapters(tiny_config):
+    results = federation.run(tiny_config)
+    run_dir = Path(tiny_config.output_dir)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in lines] == [1, 2]
+    assert all(r["bytes_uplink"] > 0 and r["bytes_downlink"] > 0 for r in lines)
+    on_disk = json.loads((run_dir / "results.json").read_text())
+    assert on_disk["rounds"] == 2 and set(on_disk["tasks"]) == {"colors", "moods"}
+    assert on_disk["tasks"]["colors"]["num_examples"] == 18
+    assert (run_dir / "accuracy_vs_round.png").stat().st_size > 0
+    for task, r in results["tasks"].items():
+        folder = run_dir / "adapters" / task
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == "hf-fedtask-tests/tiny-bert"
+        assert load_file(folder / "adapter_model.safetensors")["base_model.model.classifier.weight"].shape[0] == r["num_labels"]
+        assert (folder / "README.md").exists()
+
+
+def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_config, tiny_bert_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    federation.run(tiny_config)
+    run_dir = Path(tiny_config.output_dir)
+    sim = federation.Simulation(tiny_config)
+    from hf_fedtask.checkpoint import load_checkpoint
+
+    state, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(),
+                               template=sim.strategy.init_state(sim.host, sim.tasks, 0))
+    tok = AutoTokenizer.from_pretrained(tiny_bert_dir)
+    batch = tok(["red apple number 5", "blue sky number 9", "green leaf"], padding=True, return_tensors="pt")
+    sim.host.load_state(sim.strategy.task_parameters(state, "colors"))
+    sim.host.model.eval()
+    with torch.no_grad():
+        expected = sim.host.model(**batch).logits
+        base = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=3)
+        loaded = PeftModel.from_pretrained(base, run_dir / "adapters" / "colors").eval()
+        assert torch.equal(loaded(**batch).logits, expected)
+
+
+def test_standalone_evaluation_matches_results_json(tiny_config, tiny_tasks_dir):
+    from hf_fedtask.standalone import evaluate_adapter
+
+    results = federation.run(tiny_config)
+    run_dir = Path(tiny_config.output_dir)
+    for path in tiny_tasks_dir:
+        name = Path(path).name
+        # the tiny base is a local folder; point the adapter at it as a user with the Hub id would
+        cfg_file = run_dir / "adapters" / name / "adapter_config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg["base_model_name_or_path"] = tiny_config.base_model
+        cfg_file.write_text(json.dumps(cfg))
+        got = evaluate_adapter(run_dir / "adapters" / name, path, max_length=tiny_config.max_length)
+        assert got["accuracy"] == pytest.approx(results["tasks"][name]["accuracy"], abs=1e-9)
+
+
+def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tiny_config, tmp_path):
+    tiny_config.rounds = 3
+    straight = RunConfig(**{**tiny_config.to_dict(), "output_dir": str(tmp_path / "straight")})
+    federation.run(straight)
+    with pytest.raises(Crash):
+        federation.run(tiny_config, callbacks=[_crash_after(2)])
+    assert len((Path(tiny_config.output_dir) / "metrics.jsonl").read_text().splitlines()) == 2
+    federation.run(tiny_config, resume=True)
+    a = load_file(Path(straight.output_dir) / "checkpoint.safetensors")
+    b = load_file(Path(tiny_config.output_dir) / "checkpoint.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda p: [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in p.read_text().splitlines()]  # noqa: E731
+    assert strip(Path(straight.output_dir) / "metrics.jsonl") == strip(Path(tiny_config.output_dir) / "metrics.jsonl")
+
+
+def test_nan_update_is_rejected_naming_the_client_and_nothing_is_written(tiny_config, monkeypatch):
+    original = FedAvg.client_update
+
+    def poisoned(self, state, job, trainer):
+        update = original(self, state, job, trainer)
+        if job.client_id == 1:
+            key = next(iter(update.vectors["shared"]))
+            update.vectors["shared"][key][0] = float("nan")
+        return update
+
+    monkeypatch.setattr(FedAvg, "client_update", poisoned)
+    with pytest.raises(TaskVectorError, match=r"client 1 .*lora"):
+        federation.run(tiny_config)
+    assert not (Path(tiny_config.output_dir) / "checkpoint.safetensors").exists()
+
+
+def test_different_run_in_output_dir_is_refused_and_untouched(tiny_config, capsys):
+    tiny_config.rounds = 1
+    federation.run(tiny_config)
+    run_dir = Path(tiny_config.output_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    other = RunConfig(**{**tiny_config.to_dict(), "learning_rate": 0.5})
+    with pytest.raises(OutputDirError, match="learning_rate"):
+        federation.run(other)
+    with pytest.raises(OutputDirError, match="--resume"):
+        federation.run(tiny_config)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_cli_reports_bad_names_in_one_line_with_nonzero_exit(tiny_config, capsys, tmp_path):
+    assert main(["run", "--strategy", "fedsgd", "--output-dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fedsgd" in err
+    assert main(["run", "--suite", "builtin-999", "--output-dir", str(tmp_path / "y")]) == 2
+    assert "builtin-999" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_corrupt_checkpoint_on_resume_is_an_error_that_names_the_file(tiny_config):
+    tiny_config.rounds = 1
+    federation.run(tiny_config)
+    ckpt = Path(tiny_config.output_dir) / "checkpoint.safetensors"
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    tiny_config.rounds = 2
+    with pytest.raises(TaskVectorError, match="checkpoint.safetensors"):
+        federation.run(tiny_config, resume=True)
+    assert ckpt.read_bytes() == data[: len(data) // 2]
