@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
-from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+from transformers import DataCollatorWithPadding, PrinterCallback, Trainer, TrainingArguments
 
 from .host import PeftHost
 from .taskvector import TaskVector
@@ -93,6 +93,7 @@ class LocalTrainer:
             data_collator=self.collator,
             proximal_mu=proximal_mu,
         )
+        trainer.remove_callback(PrinterCallback)  # the simulator reports progress; no per-client prints
         out = trainer.train()
         metrics = {"train_loss": float(out.training_loss), "train_steps": int(out.global_step), "train_samples": len(data)}
         return self.host.state(), metrics

@@ -19,11 +19,9 @@ from safetensors.torch import save_file
 def check_portable_base_model_id(base_model_id: str) -> None:
     """Raise ValueError unless `base_model_id` is a Hub model id: a local path in
     adapter_config.json only resolves on the machine that wrote it."""
-    if (
-        not isinstance(base_model_id, str)
-        or os.path.isabs(os.path.expanduser(base_model_id))
-        or os.path.exists(base_model_id)
-    ):
+    if not isinstance(base_model_id, str):
+        raise ValueError(f"base_model_id {base_model_id!r} is not a Hub model id (e.g. 'org/name')")
+    if os.path.isabs(os.path.expanduser(base_model_id)) or os.path.exists(base_model_id):
         raise ValueError(f"base_model_id {base_model_id!r} is a local path, not a Hub model id (e.g. 'org/name')")
     try:
         validate_repo_id(base_model_id)

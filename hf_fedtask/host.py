@@ -43,6 +43,7 @@ class PeftHost:
         keys = list(get_peft_model_state_dict(self.model))
         self.head_keys = [k for k in keys if head_names & set(k.split("."))]
         self.shared_keys = [k for k in keys if k not in self.head_keys]
+        self._keys = set(keys)
 
     # -- parameters as tensors -------------------------------------------------------------
     def state(self) -> TaskVector:
@@ -54,9 +55,10 @@ class PeftHost:
         """Copy `state` (shared keys + head keys, saved naming) into the model; resizes the head to
         the shape in `state`, so tasks with different label counts share one model."""
         self._resize_head(state[self.head_keys[0]].shape[0])
-        result = set_peft_model_state_dict(self.model, dict(state))
-        if result.unexpected_keys:
-            raise KeyError(f"unexpected parameter {result.unexpected_keys[0]!r} for this PEFT model")
+        unknown = [k for k in state if k not in self._keys]
+        if unknown:
+            raise KeyError(f"unexpected parameter {unknown[0]!r} for this PEFT model")
+        set_peft_model_state_dict(self.model, dict(state))
 
     def _resize_head(self, num_labels: int) -> None:
         linear = self._heads[0].modules_to_save[self._heads[0].active_adapter]

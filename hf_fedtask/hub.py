@@ -97,7 +97,8 @@ def _card_context(info: Mapping) -> dict:
     num_labels = _num_labels(info)
 
     tasks = [info["task"]] if isinstance(info["task"], str) else list(info["task"])
-    metrics = {task: dict(values) for task, values in (info.get("metrics") or {}).items()}
+    metrics = {task: {name: value for name, value in values.items() if value is not None}
+               for task, values in (info.get("metrics") or {}).items()}
     tasks += [task for task in metrics if task not in tasks]
     metric_names = list(dict.fromkeys(name for values in metrics.values() for name in values))
     dataset_ids = info.get("datasets") or {}
@@ -154,7 +155,8 @@ def _card_context(info: Mapping) -> dict:
         "metric_names": metric_names,
         "metric_rows": [[task] + [_fmt(metrics[task][m]) if m in metrics[task] else "–" for m in metric_names]
                         for task in metrics],
-        "hyperparameter_rows": [(name, _fmt(v)) for name, v in (info.get("hyperparameters") or {}).items()],
+        "hyperparameter_rows": [(name, _fmt(value)) for name, value in (info.get("hyperparameters") or {}).items()
+                                if value is not None],
         "extra_notes": info.get("extra_notes"),
     }
 

@@ -65,6 +65,15 @@ def test_minimal_card_renders_without_none_noise():
     assert "None" not in str(card)
     assert "num_labels=2," in card.text and "id2label" not in card.text
     assert "## Evaluation" not in card.text and "## Federation" not in card.text
+    assert "## Hyperparameters" not in card.text and "## Citation" not in card.text
+
+    nones = {key: None for key in ("label_names", "strategy", "strategy_paper", "peft_method", "rounds",
+                                   "participation", "bytes_communicated", "license", "extra_notes")}
+    card = render_model_card({"base_model": "me/tiny-bert", "task": "sst2", "num_labels": 2, **nones,
+                              "metrics": {"sst2": {"accuracy": 0.5, "f1": None}},
+                              "hyperparameters": {"lr": 0.001, "local_steps": None}})
+    assert "None" not in str(card)
+    assert "| sst2 | 0.5 |" in card.text and "| lr | 0.001 |" in card.text and "local_steps" not in card.text
     assert ModelCard(str(card)).data.tags == ["hf-fedtask", "federated-learning", "peft", "text-classification"]
 
 
@@ -124,7 +133,7 @@ def test_offline_mode_is_hub_error(adapter_dir, monkeypatch):
         push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint="http://127.0.0.1:9")
 
 
-@pytest.mark.parametrize("breakage", ["no_weights", "no_config", "local_base"])
+@pytest.mark.parametrize("breakage", ["no_weights", "no_config", "local_base", "no_base"])
 def test_non_adapter_folder_fails_before_any_request(hub_stub, adapter_dir, tmp_path, breakage):
     endpoint, store = hub_stub
     folder = tmp_path / "copy"
@@ -137,7 +146,8 @@ def test_non_adapter_folder_fails_before_any_request(hub_stub, adapter_dir, tmp_
         (folder / "adapter_config.json").unlink()
     else:
         config = folder / "adapter_config.json"
-        config.write_text(config.read_text().replace('"me/tiny-bert"', f'"{tmp_path}"'))
+        base = f'"{tmp_path}"' if breakage == "local_base" else "null"
+        config.write_text(config.read_text().replace('"me/tiny-bert"', base))
     with pytest.raises(HubError):
         push_to_hub(folder, "me/fed-tiny", token="hf_test", endpoint=endpoint)
     assert store.requests == []
