@@ -92,6 +92,37 @@ def claim_output_dir(config: RunConfig, *, overwrite: bool) -> Path:
     return run_dir
 
 
+def build_host(config: RunConfig) -> PeftHost:
+    """The one in-memory PEFT model a run uses, from the config's model keys."""
+    peft_config = make_peft_config(
+        config.peft_method,
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules,
+        num_virtual_tokens=config.num_virtual_tokens,
+    )
+    base = resolve_base_model(config.base_model, config.base_model_id)
+    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
+
+
+def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
+    """The local-training recipe from the config's optimizer keys."""
+    return LocalTrainer(
+        host,
+        LocalTrainingArgs(
+            epochs=config.local_epochs,
+            max_steps=config.local_steps,
+            batch_size=config.batch_size,
+            learning_rate=config.learning_rate,
+            lr_scheduler=config.lr_scheduler,
+            warmup_steps=config.warmup_steps,
+            weight_decay=config.weight_decay,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        ),
+    )
+
+
 @dataclass
 class RoundContext:
     """Passed to round callbacks (progress hooks, tests that simulate a crash)."""
@@ -108,16 +139,8 @@ class Simulation:
         self.config = config
         self.strategy: Strategy = build_strategy(config.strategy, config.to_dict())
         self.tasks = load_tasks(config)
-        self.base = resolve_base_model(config.base_model, config.base_model_id)
-        peft_config = make_peft_config(
-            config.peft_method,
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=config.target_modules,
-            num_virtual_tokens=config.num_virtual_tokens,
-        )
-        self.host = PeftHost(self.base, peft_config, seed=config.seed, max_length=config.max_length)
+        self.host = build_host(config)
+        self.base = self.host.base
         self.peft_hash = peft_config_hash(self.host.model.peft_config["default"])
         num_clients = config.num_clients or len(self.tasks)
         federation = build_federation(
@@ -135,19 +158,7 @@ class Simulation:
             {name: self.host.tokenize(ds, by_name[name]) for name, ds in client.items()} for client in federation
         ]
         self.test_data = {t.name: self.host.tokenize(t.dataset["test"], t) for t in self.tasks}
-        self.trainer = LocalTrainer(
-            self.host,
-            LocalTrainingArgs(
-                epochs=config.local_epochs,
-                max_steps=config.local_steps,
-                batch_size=config.batch_size,
-                learning_rate=config.learning_rate,
-                lr_scheduler=config.lr_scheduler,
-                warmup_steps=config.warmup_steps,
-                weight_decay=config.weight_decay,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
-            ),
-        )
+        self.trainer = build_trainer(self.host, config)
 
     @property
     def num_clients(self) -> int:

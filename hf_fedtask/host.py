@@ -7,6 +7,8 @@ evaluated. Simulating 1,000 clients therefore costs 1,000 small tensor dicts, ne
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from datasets import Dataset
 from peft import PeftConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -91,10 +93,16 @@ class PeftHost:
     # -- data --------------------------------------------------------------------------------
     def tokenize(self, dataset: Dataset, task: Task) -> Dataset:
         """Token ids + `labels`, dropping every other column so Trainer and eval see model inputs only."""
+        tokenizer, max_length = self.tokenizer, self.max_length
 
         def encode(batch):
-            enc = self.tokenizer(batch[task.text_column], truncation=True, max_length=self.max_length)
+            enc = tokenizer(batch[task.text_column], truncation=True, max_length=max_length)
             enc["labels"] = batch[task.label_column]
             return enc
 
-        return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True)
+        # An explicit fingerprint: otherwise `datasets` dill-hashes the tokenizer on every call (~1 s).
+        fingerprint = hashlib.sha256(
+            f"{dataset._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{task.text_column}".encode()
+        ).hexdigest()[:16]
+        return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
+                           new_fingerprint=fingerprint)

@@ -1,0 +1,34 @@
+"""Tasks and the data layer: the builtin offline suites, loading any task reference, partitioning a
+task's data among federated clients, and dataset cards/export."""
+
+from .builtin import BUILTIN_TASKS, SUITE_VERSION, SUITES, BuiltinTask, load_builtin_task, load_suite
+from .partition import (
+    build_federation,
+    classes_per_client,
+    dirichlet_classes,
+    iid,
+    task_allocation,
+    task_shares,
+)
+from .sources import load_task
+from .suite_export import export_suite, task_card
+from .task import Task
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "SUITES",
+    "SUITE_VERSION",
+    "BuiltinTask",
+    "Task",
+    "build_federation",
+    "classes_per_client",
+    "dirichlet_classes",
+    "export_suite",
+    "iid",
+    "load_builtin_task",
+    "load_suite",
+    "load_task",
+    "task_allocation",
+    "task_card",
+    "task_shares",
+]

@@ -1,0 +1,183 @@
+"""Client-round overhead of `LocalTrainer.train` versus a bare PyTorch + PEFT loop.
+
+What is compared (ratio = ours / bare, goal <= 1.05):
+
+* ours: one client round as the simulator runs it, i.e. `LocalTrainer.train(state, data, seed=...)`
+  with `max_steps=N`. That call loads the state into the host (`host.load_state`), builds
+  `TrainingArguments` + a `Trainer` (Accelerator, optimizer, scheduler, dataloader), runs N optimizer
+  steps, and reads the state back (`host.state()`). All of it is timed.
+* bare: the same N optimizer steps written by hand on the *same* `PeftHost` model: `host.load_state`,
+  `torch.optim.AdamW` (same lr, betas, eps, weight decay), a linear LambdaLR schedule,
+  `clip_grad_norm_(1.0)`, `optimizer.step(); scheduler.step(); zero_grad()`, then `host.state()`.
+
+Why it is fair: both run the real MiniLM (`sentence-transformers/all-MiniLM-L6-v2`, offline copy)
+with LoRA r=8 on query/value plus the classifier head, batch 32, every sequence truncated to exactly
+32 tokens (so dynamic padding is a no-op), the same start state, the same batches in the same order
+and the same dropout randomness. The batches and the RNG state are recorded from an untimed,
+identically seeded `LocalTrainer.train` run (a forward pre-hook captures the model inputs and
+`torch.get_rng_state()` at the first forward); the bare loop is fed those pre-collated batches,
+which makes the baseline as cheap as possible (a strict comparison: ours also pays for the
+dataloader and collation). The final parameters of both are compared (max |diff|) to show they did
+the same work. Runs alternate ours/bare, after warm-up, with 2 threads; the median of each is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_k, _v)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+GOAL = 1.05
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue yellow").split()
+
+
+def make_task(n: int, seed: int):
+    """A 2-class synthetic task whose every text is longer than 32 tokens (so all rows truncate to 32)."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    from hf_fedtask.data.task import Task
+
+    rng = random.Random(seed)
+    rows = {"text": [], "label": []}
+    for i in range(n):
+        label = i % 2
+        cue = "good" if label else "bad"
+        words = [rng.choice(WORDS) for _ in range(40)]
+        words.insert(rng.randrange(10), cue)
+        rows["text"].append(" ".join(words))
+        rows["label"].append(label)
+    feats = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+    ds = Dataset.from_dict(rows, features=feats)
+    return Task(name="synthetic", dataset=DatasetDict({"train": ds, "test": ds.select(range(8))}))
+
+
+def bare_round(host, state, batches, rng_state, args):
+    """load state -> N hand-written optimizer steps (Trainer's recipe) -> read state."""
+    host.load_state(state)
+    model = host.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=args.weight_decay)
+    total = len(batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (total - step) / max(1, total)))
+    torch.set_rng_state(rng_state)  # same dropout masks as the Trainer run
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        opt.step()
+        sched.step()
+        model.zero_grad(set_to_none=True)
+    return host.state()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per client round")
+    p.add_argument("--repeats", type=int, default=9, help="timed runs of each (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs of each before timing")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 warm-up, 2 repeats")
+    p.add_argument("--profile", action="store_true", help="cProfile one `LocalTrainer.train` call after timing")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.repeats, args.warmup = 3, 2, 1
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    from hf_fedtask.backbone import DEFAULT_BASE_MODEL, resolve_base_model
+    from hf_fedtask.client import LocalTrainer, LocalTrainingArgs
+    from hf_fedtask.host import PeftHost
+    from hf_fedtask.peft_methods import make_peft_config
+    from hf_fedtask.taskvector import TaskVector
+
+    host = PeftHost(resolve_base_model(DEFAULT_BASE_MODEL), make_peft_config("lora", r=8, lora_alpha=16,
+                    target_modules=["query", "value"]), seed=args.seed, max_length=args.max_length)
+    task = make_task(args.steps * args.batch_size, args.seed)  # exactly one epoch of N batches
+    data = host.tokenize(task.dataset["train"], task)
+    lengths = {len(x) for x in data["input_ids"]}
+    assert lengths == {args.max_length}, f"expected every row truncated to {args.max_length} tokens, got {lengths}"
+
+    targs = LocalTrainingArgs(max_steps=args.steps, batch_size=args.batch_size)
+    trainer = LocalTrainer(host, targs)
+    start = TaskVector({**host.initial_shared(), **host.initial_head(task.num_labels, seed=args.seed)})
+    client_seed = 12345
+
+    # -- record what the Trainer feeds the model (untimed) ----------------------------------------
+    recorded, rng = [], []
+
+    def hook(module, a, kw):
+        if not rng:
+            rng.append(torch.get_rng_state())
+        recorded.append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kw.items()})
+
+    handle = host.model.register_forward_pre_hook(hook, with_kwargs=True)
+    ref_state, m = trainer.train(start, data, seed=client_seed)
+    handle.remove()
+    assert len(recorded) == args.steps and m["train_steps"] == args.steps, (len(recorded), m)
+    assert all(b["input_ids"].shape == (args.batch_size, args.max_length) for b in recorded)
+
+    def ours():
+        return trainer.train(start, data, seed=client_seed)[0]
+
+    def bare():
+        return bare_round(host, start, recorded, rng[0], targs)
+
+    for _ in range(args.warmup):
+        ours()
+        bare()
+    t_ours, t_bare = [], []
+    for i in range(args.repeats):
+        for fn, sink in ((ours, t_ours), (bare, t_bare)) if i % 2 == 0 else ((bare, t_bare), (ours, t_ours)):
+            t0 = time.perf_counter()
+            out = fn()
+            sink.append(time.perf_counter() - t0)
+            if fn is ours:
+                s_ours = out
+            else:
+                s_bare = out
+
+    diff_ours_bare = max((s_ours[k] - s_bare[k]).abs().max().item() for k in s_ours)
+    diff_ours_ours = max((s_ours[k] - ref_state[k]).abs().max().item() for k in s_ours)
+    moved = max((s_ours[k] - start[k]).abs().max().item() for k in s_ours)
+    mo, mb = statistics.median(t_ours), statistics.median(t_bare)
+    ratio = mo / mb
+    print(f"config: MiniLM-L6 + LoRA r=8 (query,value), batch {args.batch_size}, {args.max_length} tokens, "
+          f"{args.steps} steps, {args.threads} threads, {args.repeats} repeats after {args.warmup} warm-up")
+    print(f"ours (LocalTrainer.train) median {mo * 1e3:.1f} ms  [{min(t_ours) * 1e3:.1f} .. {max(t_ours) * 1e3:.1f}]")
+    print(f"bare PyTorch+PEFT loop    median {mb * 1e3:.1f} ms  [{min(t_bare) * 1e3:.1f} .. {max(t_bare) * 1e3:.1f}]")
+    print(f"per-round overhead: {(mo - mb) * 1e3:.1f} ms  ({(mo - mb) / args.steps * 1e3:.2f} ms per step)")
+    print(f"same work: max|ours - bare| = {diff_ours_bare:.2e}, max|ours - ours(rerun)| = {diff_ours_ours:.2e}, "
+          f"max|trained - start| = {moved:.2e}")
+    print(f"RATIO ours/bare = {ratio:.3f}  (goal <= {GOAL})  -> {'PASS' if ratio <= GOAL else 'FAIL'}")
+
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        ours()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
