@@ -158,8 +158,10 @@ def main():
     if args.quick:
         args.local_steps, args.repeats, args.warmup = 1, 1, 0
 
+    import datasets
     import torch
 
+    datasets.disable_progress_bars()
     torch.set_num_threads(args.threads)
     per_client = args.train_rows * args.tasks // args.many
     assert per_client >= 8, f"{args.many} clients would get {per_client} < min_samples=8 rows each"

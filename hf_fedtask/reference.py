@@ -11,19 +11,16 @@ from importlib import resources
 from tqdm.auto import tqdm
 
 from .config import RunConfig
+from .data import SUITE_VERSION
 from .data.task import Task
 from .evaluation import evaluate
 from .federation import build_host, build_trainer
 from .taskvector import TaskVector
 
 REFERENCE_FILE = "builtin_reference.json"
-# The optimizer recipe of the shipped reference values; part of the cache key.
-REFERENCE_KEYS = ("base_model", "peft_method", "lora_r", "lora_alpha", "max_length", "local_epochs", "batch_size",
-                  "learning_rate", "lr_scheduler", "seed")
-
-
-def reference_key(config: RunConfig) -> str:
-    return json.dumps({k: getattr(config, k) for k in REFERENCE_KEYS}, sort_keys=True)
+# The recipe keys recorded with shipped reference values.
+RECIPE_KEYS = ("base_model", "peft_method", "lora_r", "lora_alpha", "max_length", "local_epochs", "batch_size",
+               "learning_rate", "lr_scheduler", "seed")
 
 
 def individual_centralized(tasks: list[Task], config: RunConfig) -> dict[str, dict]:
@@ -41,11 +38,15 @@ def individual_centralized(tasks: list[Task], config: RunConfig) -> dict[str, di
     return out
 
 
-def shipped_reference(config: RunConfig | None = None) -> dict[str, dict]:
-    """The shipped per-task reference metrics (empty when none were computed for this recipe)."""
+def reference_record(results: dict[str, dict], config: RunConfig) -> dict:
+    """What `recipes/individual_centralized.py` ships: values plus the recipe and suite version."""
+    return {"suite_version": SUITE_VERSION, "recipe": {k: getattr(config, k) for k in RECIPE_KEYS}, "tasks": results}
+
+
+def shipped_reference() -> dict[str, dict]:
+    """Per-task reference metrics shipped for the current builtin suite version ({} if none)."""
     path = resources.files("hf_fedtask.data").joinpath(REFERENCE_FILE)
     if not path.is_file():
         return {}
-    entries = json.loads(path.read_text())
-    key = reference_key(config or RunConfig())
-    return next((e["tasks"] for e in entries if e["key"] == key), {})
+    record = json.loads(path.read_text())
+    return record["tasks"] if record.get("suite_version") == SUITE_VERSION else {}

@@ -3,6 +3,7 @@ cached as Arrow (never rebuilt once cached) and exportable with dataset cards.""
 
 import json
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 from datasets import ClassLabel, Value, load_from_disk
@@ -180,3 +181,9 @@ def test_task_card_lists_conflicts_and_labels(suite):
     assert "`vader_intensity`" in card and "Conflict group `word-affect`" in card
     for name, meaning in task.extra["label_meanings"].items():
         assert f"| {name} | {meaning} |" in card
+
+
+def test_suite_overview_card_lists_every_task():
+    overview = (Path(builtin.__file__).parent / "cards" / "builtin-suite.md").read_text()
+    for name in BUILTIN_TASKS:
+        assert f"| `{name}` |" in overview, name

@@ -546,6 +546,7 @@ PROBE_ACCURACY: dict[str, float] = {
     "langid_es_pt": 0.600,
     "langid_da_nb": 0.615,
     "langid_cs_sk": 0.625,
+    "langid_ca_es": 0.645,
     "word_freq_en": 0.677,
     "word_freq_de": 0.444,
     "word_freq_es": 0.460,
@@ -566,7 +567,6 @@ PROBE_ACCURACY: dict[str, float] = {
     "city_ru_ua": 0.755,
     "entity_type_de": 0.530,
     "entity_type_nl": 0.510,
-    "langid_ca_es": 0.645,
 }
 
 SUITES: dict[str, list[str]] = {
@@ -631,16 +631,16 @@ def _package_versions(spec: BuiltinTask) -> dict[str, str]:
     return {s.package: importlib.metadata.version(s.package) for s in spec.sources}
 
 
-def build_task_dataset(spec: BuiltinTask, seed: int, _pool_rows: dict | None = None) -> DatasetDict:
-    """Build one task's DatasetDict from its pool (no cache). `_pool_rows` memoizes sampled pools
-    so that the tasks of a conflict group share rows within one suite build."""
+def build_task_dataset(spec: BuiltinTask, seed: int, memo: dict | None = None) -> DatasetDict:
+    """Build one task's DatasetDict from its pool (no cache). The sample depends only on (pool, seed),
+    so the tasks of a conflict group get identical rows; `memo` saves re-sampling a shared pool."""
     key = (spec.pool, seed)
-    if _pool_rows is None or key not in _pool_rows:
+    if memo is None or key not in memo:
         rows = sample_cells(POOLS[spec.pool](), _rng(seed, spec.pool))
-        if _pool_rows is not None:
-            _pool_rows[key] = rows
+        if memo is not None:
+            memo[key] = rows
     else:
-        rows = _pool_rows[key]
+        rows = memo[key]
     names = list(spec.labels)
     features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
     return DatasetDict({
@@ -674,7 +674,7 @@ def task_cache_dir(name: str, seed: int, cache_dir=None) -> Path:
     return cache_root(cache_dir) / "suites" / SUITE_VERSION / f"seed{seed}" / name
 
 
-def _load_or_build(spec: BuiltinTask, seed: int, cache_dir, pool_rows: dict) -> DatasetDict:
+def _load_or_build(spec: BuiltinTask, seed: int, cache_dir, memo: dict) -> DatasetDict:
     """Load the cached Arrow copy, or build it into a temp folder renamed into place (atomic: a killed
     build never leaves a partial task behind; a concurrent builder's copy wins)."""
     path = task_cache_dir(spec.name, seed, cache_dir)
@@ -682,7 +682,7 @@ def _load_or_build(spec: BuiltinTask, seed: int, cache_dir, pool_rows: dict) -> 
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{spec.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            save_quietly(build_task_dataset(spec, seed, pool_rows), tmp)
+            save_quietly(build_task_dataset(spec, seed, memo), tmp)
             os.rename(tmp, path)
         except OSError:
             if not path.is_dir():
@@ -734,8 +734,8 @@ def load_suite(name: str, *, seed: int = 0, cache_dir=None) -> list[Task]:
     """Every task of a suite, in suite order; builds (about 20 s for builtin-30) only what is not cached."""
     if name not in SUITES:
         raise DataError(f"unknown suite {name!r}; known suites: {', '.join(SUITES)}")
-    pool_rows: dict = {}
+    memo: dict = {}
     return [
-        _to_task(BUILTIN_TASKS[t], _load_or_build(BUILTIN_TASKS[t], seed, cache_dir, pool_rows), seed)
+        _to_task(BUILTIN_TASKS[t], _load_or_build(BUILTIN_TASKS[t], seed, cache_dir, memo), seed)
         for t in SUITES[name]
     ]
