@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import datasets
 from datasets import Dataset
 from peft import PeftConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.utils import ModulesToSaveWrapper
@@ -104,5 +105,11 @@ class PeftHost:
         fingerprint = hashlib.sha256(
             f"{dataset._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{task.text_column}".encode()
         ).hexdigest()[:16]
-        return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
-                           new_fingerprint=fingerprint)
+        was_enabled = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # hundreds of tiny maps: one bar each would drown the run's own
+        try:
+            return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
+                               new_fingerprint=fingerprint)
+        finally:
+            if was_enabled:
+                datasets.enable_progress_bars()

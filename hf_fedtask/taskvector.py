@@ -462,7 +462,8 @@ def inspect_file(path: str | os.PathLike) -> str:
         raise TaskVectorError(f"{source}: cannot read task vector: {_one_line(exc)}") from None
 
     lines = [f"file: {source}", "metadata:"]
-    lines += [f"  {k}: {v}" for k, v in sorted(metadata.items())] or ["  (none)"]
+    shown = {k: v if len(v) <= 160 else f"{v[:120]}... ({len(v)} characters)" for k, v in metadata.items()}
+    lines += [f"  {k}: {v}" for k, v in sorted(shown.items())] or ["  (none)"]
     header = ("key", "shape", "dtype", "numel")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     for row in [header, *rows]:
