@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .config import add_config_arguments, config_from_args
 from .errors import FedTaskError
@@ -38,13 +39,13 @@ def _export(args) -> int:
     from .artifacts import export_adapters
     from .checkpoint import load_checkpoint
     from .config import RunConfig
-    from .federation import RUN_CONFIG_FILE, Simulation, _results
+    from .federation import RUN_CONFIG_FILE, Simulation, summarize_results
 
     config = RunConfig.from_yaml(os.path.join(args.run_dir, RUN_CONFIG_FILE))
     sim = Simulation(config)
     state, history = load_checkpoint(args.run_dir, fingerprint=config.fingerprint(),
                                      template=sim.strategy.init_state(sim.host, sim.tasks, config.seed))
-    folders = export_adapters(sim, state, _results(sim, state, history), args.run_dir)
+    folders = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
     for folder in folders:
         print(folder)
     return 0

@@ -256,7 +256,7 @@ def run(
         for cb in callbacks:
             cb(RoundContext(r, state, record))
     tracker.close()
-    results = _results(sim, state, history)
+    results = summarize_results(sim, state, history)
     write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     if history:
         plot_metric_vs_round(history, run_dir / PLOT_FILE, title=f"{sim.strategy.name} on {config.suite or 'tasks'}")
@@ -265,7 +265,7 @@ def run(
     return results
 
 
-def _results(sim: Simulation, state: GlobalState, history: list[dict]) -> dict:
+def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) -> dict:
     final = history[-1]["eval"] if history else sim.evaluate_all(state)
     return {
         "strategy": sim.strategy.name,

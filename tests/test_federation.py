@@ -145,3 +145,59 @@ def test_corrupt_checkpoint_on_resume_is_an_error_that_names_the_file(tiny_confi
     with pytest.raises(TaskVectorError, match="checkpoint.safetensors"):
         federation.run(tiny_config, resume=True)
     assert ckpt.read_bytes() == data[: len(data) // 2]
+
+
+@pytest.mark.parametrize("method", ["ia3", "prompt", "prefix"])
+def test_every_peft_method_trains_exports_and_reloads(tiny_config, method):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    tiny_config.peft_method, tiny_config.rounds, tiny_config.num_virtual_tokens = method, 1, 4
+    federation.run(tiny_config)
+    run_dir = Path(tiny_config.output_dir)
+    ckpt = load_file(run_dir / "checkpoint.safetensors")
+    shared = {k: v for k, v in ckpt.items() if k.startswith("shared::")}
+    assert shared, "the PEFT modules must be part of the server state"
+    adapter = run_dir / "adapters" / "moods"
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"].lower().startswith(method[:3])
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_config.base_model, num_labels=2)
+    PeftModel.from_pretrained(base, adapter)  # loads with stock PEFT
+
+
+def test_fedprox_term_pulls_clients_toward_the_server(tiny_config, tmp_path):
+    """With a large mu, client updates shrink relative to plain FedAvg from the same start."""
+    from hf_fedtask.strategies import ClientJob, build_strategy
+
+    sim = federation.Simulation(tiny_config)
+    job = ClientJob(client_id=0, round=1, data=sim.client_data[0], seed=0)
+    norms = {}
+    for name, mu in (("fedavg", 0.0), ("fedprox", 50.0)):
+        strategy = build_strategy(name, {"proximal_mu": mu})
+        state = strategy.init_state(sim.host, sim.tasks, 0)
+        norms[name] = strategy.client_update(state, job, sim.trainer).vectors["shared"].norm()
+    assert norms["fedprox"] < 0.8 * norms["fedavg"]
+
+
+def test_proximal_loss_is_half_mu_times_squared_distance(tiny_config, tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_fedtask.client import _ProximalTrainer
+
+    sim = federation.Simulation(tiny_config)
+    task = next(iter(sim.client_data[0]))
+    data = sim.client_data[0][task]
+    sim.host.load_state(sim.strategy.task_parameters(sim.strategy.init_state(sim.host, sim.tasks, 0), task))
+    batch = sim.trainer.collator([data[i] for i in range(4)])
+    model = sim.host.model
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    plain = _ProximalTrainer(model=model, args=args, proximal_mu=0.0)
+    prox = _ProximalTrainer(model=model, args=args, proximal_mu=3.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in trainable:
+            p.add_(0.01)
+    expected = 1.5 * sum(float((torch.full_like(p, 0.01) ** 2).sum()) for p in trainable)
+    model.eval()
+    with torch.no_grad():
+        diff = prox.compute_loss(model, dict(batch)) - plain.compute_loss(model, dict(batch))
+    assert float(diff) == pytest.approx(expected, rel=1e-4)

@@ -1,0 +1,74 @@
+"""The CLI as a user drives it: run, inspect, export, evaluate, push, suite export."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hub_stub import hub_stub  # noqa: F401  (fixture)
+
+from hf_fedtask.cli import main
+
+
+def _run_tiny(tiny_config, capsys):
+    c = tiny_config
+    argv = ["run", "--tasks", *c.tasks, "--base-model", c.base_model, "--base-model-id", c.base_model_id,
+            "--num-clients", "4", "--rounds", "1", "--batch-size", "8", "--local-steps", "2", "--max-length", "16",
+            "--min-samples", "4", "--output-dir", c.output_dir]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "colors" in out and "mean" in out
+    return Path(c.output_dir)
+
+
+def test_run_inspect_export_evaluate(tiny_config, tiny_tasks_dir, capsys):
+    run_dir = _run_tiny(tiny_config, capsys)
+    assert main(["inspect", str(run_dir / "checkpoint.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "shared::base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.weight" in out
+    assert "peft_config_hash" in out
+
+    adapter = run_dir / "adapters" / "colors"
+    (adapter / "adapter_model.safetensors").unlink()
+    assert main(["export", str(run_dir)]) == 0
+    assert (adapter / "adapter_model.safetensors").exists()
+    capsys.readouterr()
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = tiny_config.base_model  # the tiny base is local, not on the Hub
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    assert main(["evaluate", str(adapter), "--task", tiny_tasks_dir[0], "--max-length", "16"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    expected = json.loads((run_dir / "results.json").read_text())["tasks"]["colors"]["accuracy"]
+    assert got["accuracy"] == pytest.approx(expected)
+
+
+def test_push_arrives_byte_identical_and_network_errors_are_one_line(tiny_config, capsys, hub_stub):  # noqa: F811
+    endpoint, store = hub_stub
+    run_dir = _run_tiny(tiny_config, capsys)
+    adapter = run_dir / "adapters" / "moods"
+    assert main(["push", str(adapter), "--repo-id", "me/moods", "--endpoint", endpoint, "--token", "hf_x"]) == 0
+    for f in adapter.iterdir():
+        assert store.repos["me/moods"][f.name] == f.read_bytes()
+    capsys.readouterr()
+    assert main(["push", str(adapter), "--repo-id", "me/moods", "--endpoint", "http://127.0.0.1:9", "--token", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "me/moods" in err
+
+
+def test_inspect_of_a_corrupt_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    assert main(["inspect", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.safetensors" in err
+
+
+def test_suite_export_writes_loadable_datasets(tmp_path, capsys):
+    from datasets import load_from_disk
+
+    assert main(["suite", "export", "builtin-8", str(tmp_path / "b8")]) == 0
+    index = json.loads((tmp_path / "b8" / "suite.json").read_text())
+    names = [t["name"] for t in index["tasks"]] if isinstance(index["tasks"], list) else list(index["tasks"])
+    assert len(names) == 8
+    ds = load_from_disk(str(tmp_path / "b8" / names[0]))
+    assert set(ds) == {"train", "test"} and (tmp_path / "b8" / names[0] / "README.md").exists()
