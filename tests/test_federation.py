@@ -201,3 +201,16 @@ def test_proximal_loss_is_half_mu_times_squared_distance(tiny_config, tmp_path):
     with torch.no_grad():
         diff = prox.compute_loss(model, dict(batch)) - plain.compute_loss(model, dict(batch))
     assert float(diff) == pytest.approx(expected, rel=1e-4)
+
+
+def test_report_to_tensorboard_writes_event_files(tiny_config):
+    tiny_config.rounds, tiny_config.report_to, tiny_config.export = 1, ["tensorboard"], False
+    federation.run(tiny_config)
+    events = list((Path(tiny_config.output_dir) / "logs").rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_unknown_task_name_is_one_line_and_fast(tmp_path, capsys):
+    assert main(["run", "--tasks", "no_such_task_anywhere", "--output-dir", str(tmp_path / "z")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_task_anywhere" in err
