@@ -57,12 +57,14 @@ def _training_hparams(sim: Simulation) -> dict:
 
 
 def results_table(results: dict) -> str:
-    """A plain-text per-task table of the final metric, with chance level for reference."""
-    rows = [("task", "group", "metric", "value", "chance", "n_test")]
+    """A plain-text per-task table: final metric, metric / individual-centralized reference, chance."""
+    rows = [("task", "group", "metric", "value", "normalized", "chance", "n_test")]
     for name, r in results["tasks"].items():
-        rows.append((name, r.get("group") or "", r["metric"], f"{r[r['metric']]:.4f}", f"{r['chance']:.3f}",
-                     str(r["num_examples"])))
-    rows.append(("mean", "", "", f"{results['mean_metric']:.4f}", "", ""))
+        normalized = f"{r['normalized']:.3f}" if "normalized" in r else "-"
+        rows.append((name, r.get("group") or "", r["metric"], f"{r[r['metric']]:.4f}", normalized,
+                     f"{r['chance']:.3f}", str(r["num_examples"])))
+    mean_normalized = f"{results['mean_normalized']:.3f}" if results.get("mean_normalized") is not None else "-"
+    rows.append(("mean", "", "", f"{results['mean_metric']:.4f}", mean_normalized, "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 

@@ -21,17 +21,16 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .artifacts import export_adapters, plot_metric_vs_round
-from .backbone import resolve_base_model
+from .builders import build_host, build_trainer
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from .client import LocalTrainer, LocalTrainingArgs
 from .config import RunConfig
 from .data import build_federation, load_suite, load_task
 from .data.task import Task
 from .errors import OutputDirError
 from .evaluation import evaluate
-from .host import PeftHost
-from .peft_methods import make_peft_config
+from .reference import shipped_reference
 from .strategies import ClientJob, GlobalState, Strategy, build_strategy
+from .strategies.base import SHARED
 from .taskvector import TaskVector, peft_config_hash
 from .update import ClientUpdate, pack_vectors
 
@@ -90,37 +89,6 @@ def claim_output_dir(config: RunConfig, *, overwrite: bool) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     config.save_yaml(run_dir / RUN_CONFIG_FILE)
     return run_dir
-
-
-def build_host(config: RunConfig) -> PeftHost:
-    """The one in-memory PEFT model a run uses, from the config's model keys."""
-    peft_config = make_peft_config(
-        config.peft_method,
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules,
-        num_virtual_tokens=config.num_virtual_tokens,
-    )
-    base = resolve_base_model(config.base_model, config.base_model_id)
-    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
-
-
-def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
-    """The local-training recipe from the config's optimizer keys."""
-    return LocalTrainer(
-        host,
-        LocalTrainingArgs(
-            epochs=config.local_epochs,
-            max_steps=config.local_steps,
-            batch_size=config.batch_size,
-            learning_rate=config.learning_rate,
-            lr_scheduler=config.lr_scheduler,
-            warmup_steps=config.warmup_steps,
-            weight_decay=config.weight_decay,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-        ),
-    )
 
 
 @dataclass
@@ -266,7 +234,19 @@ def run(
 
 
 def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) -> dict:
+    """results.json: final per-task metrics (normalized by the shipped individual-centralized
+    reference where one exists for the task and base model) and the run's metadata."""
     final = history[-1]["eval"] if history else sim.evaluate_all(state)
+    reference = shipped_reference(sim.config.base_model)
+    tasks = {}
+    for t in sim.tasks:
+        r = {**final[t.name], "metric": t.metric, "num_labels": t.num_labels, "label_names": t.label_names,
+             "chance": t.chance, "group": t.group}
+        if t.name in reference and reference[t.name].get(t.metric):
+            r["individual_centralized"] = reference[t.name][t.metric]
+            r["normalized"] = r[t.metric] / r["individual_centralized"]
+        tasks[t.name] = r
+    normalized = [r["normalized"] for r in tasks.values() if "normalized" in r]
     return {
         "strategy": sim.strategy.name,
         "strategy_paper": sim.strategy.paper,
@@ -277,15 +257,12 @@ def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) 
         "peft_method": sim.config.peft_method,
         "rounds": state.round,
         "num_clients": sim.num_clients,
-        "tasks": {
-            t.name: {**final[t.name], "metric": t.metric, "num_labels": t.num_labels, "label_names": t.label_names,
-                     "chance": t.chance, "group": t.group}
-            for t in sim.tasks
-        },
-        "mean_metric": float(np.mean([v[t.metric] for t, v in zip(sim.tasks, final.values())])),
+        "tasks": tasks,
+        "mean_metric": float(np.mean([r[r["metric"]] for r in tasks.values()])),
+        "mean_normalized": float(np.mean(normalized)) if len(normalized) == len(tasks) else None,
         "bytes_uplink": sum(h["bytes_uplink"] for h in history),
         "bytes_downlink": sum(h["bytes_downlink"] for h in history),
-        "trainable_parameters": sum(t.numel() for t in state.vectors[next(iter(state.vectors))].values()),
+        "shared_parameters": sum(t.numel() for t in state.vectors[SHARED].values()),
     }
 
 

@@ -14,7 +14,7 @@ from .config import RunConfig
 from .data import SUITE_VERSION
 from .data.task import Task
 from .evaluation import evaluate
-from .federation import build_host, build_trainer
+from .builders import build_host, build_trainer
 from .taskvector import TaskVector
 
 REFERENCE_FILE = "builtin_reference.json"
@@ -43,10 +43,13 @@ def reference_record(results: dict[str, dict], config: RunConfig) -> dict:
     return {"suite_version": SUITE_VERSION, "recipe": {k: getattr(config, k) for k in RECIPE_KEYS}, "tasks": results}
 
 
-def shipped_reference() -> dict[str, dict]:
-    """Per-task reference metrics shipped for the current builtin suite version ({} if none)."""
+def shipped_reference(base_model: str) -> dict[str, dict]:
+    """Per-task reference metrics shipped for the current builtin suite version and `base_model`
+    ({} if none: a reference for another backbone would normalize by the wrong number)."""
     path = resources.files("hf_fedtask.data").joinpath(REFERENCE_FILE)
     if not path.is_file():
         return {}
     record = json.loads(path.read_text())
-    return record["tasks"] if record.get("suite_version") == SUITE_VERSION else {}
+    if record.get("suite_version") != SUITE_VERSION or record["recipe"]["base_model"] != base_model:
+        return {}
+    return record["tasks"]

@@ -1,0 +1,40 @@
+"""Builders from a `RunConfig` to the run's parts, shared by the simulator and the reference recipe."""
+
+from __future__ import annotations
+
+from .backbone import resolve_base_model
+from .client import LocalTrainer, LocalTrainingArgs
+from .config import RunConfig
+from .host import PeftHost
+from .peft_methods import make_peft_config
+
+
+def build_host(config: RunConfig) -> PeftHost:
+    """The one in-memory PEFT model a run uses, from the config's model keys."""
+    peft_config = make_peft_config(
+        config.peft_method,
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules,
+        num_virtual_tokens=config.num_virtual_tokens,
+    )
+    base = resolve_base_model(config.base_model, config.base_model_id)
+    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
+
+
+def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
+    """The local-training recipe from the config's optimizer keys."""
+    return LocalTrainer(
+        host,
+        LocalTrainingArgs(
+            epochs=config.local_epochs,
+            max_steps=config.local_steps,
+            batch_size=config.batch_size,
+            learning_rate=config.learning_rate,
+            lr_scheduler=config.lr_scheduler,
+            warmup_steps=config.warmup_steps,
+            weight_decay=config.weight_decay,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        ),
+    )
