@@ -31,7 +31,7 @@ from .evaluation import evaluate
 from .reference import shipped_reference
 from .strategies import ClientJob, GlobalState, Strategy, build_strategy
 from .strategies.base import SHARED
-from .taskvector import TaskVector, peft_config_hash
+from .taskvector import peft_config_hash
 from .update import ClientUpdate, pack_vectors
 
 logger = logging.getLogger(__name__)

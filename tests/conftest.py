@@ -82,3 +82,6 @@ def tiny_config(tiny_bert_dir, tiny_tasks_dir, tmp_path):
         min_samples=4,
         output_dir=str(tmp_path / "run"),
     )
+
+
+from hub_stub import hub_stub  # noqa: E402,F401  (the loopback Hub fixture, for test_hub and test_cli)

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-from hub_stub import hub_stub  # noqa: F401  (fixture)
 
 from hf_fedtask.cli import main
 
@@ -42,7 +41,7 @@ def test_run_inspect_export_evaluate(tiny_config, tiny_tasks_dir, capsys):
     assert got["accuracy"] == pytest.approx(expected)
 
 
-def test_push_arrives_byte_identical_and_network_errors_are_one_line(tiny_config, capsys, hub_stub):  # noqa: F811
+def test_push_arrives_byte_identical_and_network_errors_are_one_line(tiny_config, capsys, hub_stub):
     endpoint, store = hub_stub
     run_dir = _run_tiny(tiny_config, capsys)
     adapter = run_dir / "adapters" / "moods"

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from hf_fedtask import federation
 from hf_fedtask.cli import main
 from hf_fedtask.config import RunConfig
-from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
+from hf_fedtask.errors import OutputDirError, TaskVectorError
 from hf_fedtask.strategies import FedAvg
 
 

@@ -13,7 +13,6 @@ from test_export import tiny_peft_model
 from hf_fedtask.errors import HubError
 from hf_fedtask.export import save_adapter
 from hf_fedtask.hub import push_to_hub, render_model_card
-from hub_stub import hub_stub  # noqa: F401  (fixture)
 
 INFO = {
     "base_model": "me/tiny-bert",
