@@ -160,24 +160,24 @@ class Simulation:
         up_bytes = down_bytes = 0
         header = self.header()
         for cid in tqdm(clients, desc=f"round {round_} clients", leave=False, dynamic_ncols=True):
-            tasks = sorted(self.client_data[cid])
-            downlink = pack_vectors(self.strategy.update_templates(state, tasks)).to_bytes()
-            down_bytes += len(downlink)
+            # what the server sends this client is exactly what its update must match
+            templates = self.strategy.update_templates(state, sorted(self.client_data[cid]))
+            down_bytes += len(pack_vectors(templates).to_bytes())
             job = ClientJob(client_id=cid, round=round_, data=self.client_data[cid], seed=self.config.seed)
             payload = self.strategy.client_update(state, job, self.trainer).to_bytes(**header)
             up_bytes += len(payload)
             updates.append(
                 ClientUpdate.from_bytes(
                     payload,
-                    templates=self.strategy.update_templates(state, tasks),
-                    expect={k: v for k, v in header.items()},
+                    templates=templates,
+                    expect=header,
                     source=f"client {cid} (round {round_})",
                 )
             )
         state = self.strategy.server_aggregate(state, updates)
         evals = self.evaluate_all(state)
         losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
-        metric_values = [next(v for k, v in e.items() if k != "num_examples") for e in evals.values()]
+        metric_values = [evals[t.name][t.metric] for t in self.tasks]
         record = {
             "round": round_,
             "clients": clients,
