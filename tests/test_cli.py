@@ -71,3 +71,18 @@ def test_suite_export_writes_loadable_datasets(tmp_path, capsys):
     assert len(names) == 8
     ds = load_from_disk(str(tmp_path / "b8" / names[0]))
     assert set(ds) == {"train", "test"} and (tmp_path / "b8" / names[0] / "README.md").exists()
+
+
+def test_load_adapter_example_predicts_label_names(tiny_config, capsys):
+    import importlib.util
+
+    run_dir = _run_tiny(tiny_config, capsys)
+    adapter = run_dir / "adapters" / "colors"
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = tiny_config.base_model  # the tiny base is local, not on the Hub
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    spec = importlib.util.spec_from_file_location("load_adapter", Path(__file__).parents[1] / "examples" / "load_adapter.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    labels = example.main(str(adapter), ["red apple", "blue sky"])
+    assert len(labels) == 2 and set(labels) <= {"red", "blue", "green"}
