@@ -76,16 +76,22 @@ def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     rounds = [h["round"] for h in history]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for task in history[0]["eval"]:
+    tasks = list(history[0]["eval"])
+    labelled = len(tasks) <= 10  # beyond that a legend is unreadable: draw tasks in grey
+    fig, ax = plt.subplots(figsize=(9 if labelled else 7, 4.5))
+    for i, task in enumerate(tasks):
         values = [next(v for k, v in h["eval"][task].items() if k != "num_examples") for h in history]
-        ax.plot(rounds, values, color="0.75", linewidth=0.8)
-    ax.plot(rounds, [h["mean_metric"] for h in history], color="C0", linewidth=2.5, label="mean over tasks")
+        style = {"color": f"C{i + 1}", "label": task, "linewidth": 1.2} if labelled else {"color": "0.75", "linewidth": 0.8}
+        ax.plot(rounds, values, marker="." if labelled else None, **style)
+    ax.plot(rounds, [h["mean_metric"] for h in history], color="C0", linewidth=3, label="mean over tasks")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test metric")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
