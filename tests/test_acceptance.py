@@ -31,6 +31,8 @@ def test_fedavg_builtin8_above_chance_and_reproducible_with_stock_peft(tmp_path,
     assert len(results["tasks"]) == 8
     for name, r in results["tasks"].items():
         assert r["accuracy"] >= r["chance"] + MARGIN, f"{name}: {r['accuracy']:.3f} vs chance {r['chance']:.3f}"
+        assert r["normalized"] == r["accuracy"] / r["individual_centralized"]  # the shipped reference
+    assert results["mean_normalized"] > 0.5
 
     base_path = str(embedded_default_path())  # what the Hub id in adapter_config.json names, offline
     tokenizer = AutoTokenizer.from_pretrained(base_path)

@@ -35,6 +35,8 @@ def test_run_writes_metrics_results_checkpoint_and_peft_adapters(tiny_config):
     on_disk = json.loads((run_dir / "results.json").read_text())
     assert on_disk["rounds"] == 2 and set(on_disk["tasks"]) == {"colors", "moods"}
     assert on_disk["tasks"]["colors"]["num_examples"] == 18
+    # the shipped reference belongs to the MiniLM builtin suite, never to another base model's tasks
+    assert on_disk["mean_normalized"] is None and "normalized" not in on_disk["tasks"]["colors"]
     assert (run_dir / "accuracy_vs_round.png").stat().st_size > 0
     for task, r in results["tasks"].items():
         folder = run_dir / "adapters" / task
