@@ -1,0 +1,74 @@
+"""Merge operators: equality with peft.utils.merge_utils on random inputs, and edge cases."""
+
+import pytest
+import torch
+from peft.utils import merge_utils as peft_merge
+
+from hf_fedtask.merge import agreement_mask, magnitude_prune, sign_similarity, task_arithmetic, ties, weighted_average
+from hf_fedtask.taskvector import TaskVector
+
+
+def _vectors(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [TaskVector({"a": torch.randn(6, 5, generator=g), "b": torch.randn(7, generator=g)}) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_task_arithmetic_equals_peft(seed):
+    vs, w = _vectors(4, seed), [0.5, 1.0, 2.0, -0.3]
+    got = task_arithmetic(vs, w)
+    for k in vs[0]:
+        torch.testing.assert_close(got[k], peft_merge.task_arithmetic([v[k] for v in vs], torch.tensor(w)))
+
+
+@pytest.mark.parametrize("density", [0.0, 0.2, 0.5, 1.0])
+def test_magnitude_prune_equals_peft(density):
+    t = _vectors(1)[0]["a"]
+    torch.testing.assert_close(magnitude_prune(t, density), peft_merge.magnitude_based_pruning(t, density))
+
+
+@pytest.mark.parametrize("method", ["total", "frequency"])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ties_equals_peft(method, density, seed):
+    vs, w = _vectors(5, seed), [2.0, 1.0, 1.0, 0.5, 1.5]
+    got = ties(vs, w, density, method)
+    for k in vs[0]:
+        expected = peft_merge.ties([v[k] for v in vs], torch.tensor(w), density, method)
+        torch.testing.assert_close(got[k], expected)
+
+
+def test_ties_edge_cases():
+    zero = TaskVector({"a": torch.zeros(4)})
+    assert torch.equal(ties([zero, zero], [1.0, 1.0], 1.0)["a"], torch.zeros(4))  # zeros never vote
+    tie = [TaskVector({"a": torch.tensor([1.0])}), TaskVector({"a": torch.tensor([-1.0])})]
+    assert ties(tie, [1.0, 1.0], 1.0)["a"].item() == 1.0  # a tied vote goes to +
+    single = _vectors(1)[0]
+    assert all(torch.equal(ties([single], [1.0], 1.0)[k], single[k]) for k in single)  # one task: itself
+    with pytest.raises(ValueError, match="majority_sign_method"):
+        ties([single], [1.0], 1.0, "median")
+
+
+def test_sign_similarity_is_one_on_the_diagonal_and_half_for_unrelated():
+    vs = _vectors(3)
+    s = sign_similarity(vs)
+    assert s.shape == (3, 3) and torch.allclose(s.diagonal(), torch.ones(3)) and torch.allclose(s, s.T)
+    assert sign_similarity([vs[0], -vs[0]])[0, 1].item() == 0.0
+    g = torch.Generator().manual_seed(5)
+    big = [TaskVector({"a": torch.randn(200_000, generator=g)}) for _ in range(2)]
+    assert abs(sign_similarity(big)[0, 1].item() - 0.5) < 0.01
+
+
+def test_agreement_mask_is_soft():
+    vs = [TaskVector({"a": torch.tensor([1.0, 1.0, 1.0])}), TaskVector({"a": torch.tensor([1.0, -1.0, 2.0])}),
+          TaskVector({"a": torch.tensor([1.0, -1.0, -3.0])})]
+    # alpha = |mean sign| = [1, 1/3, 1/3]; rho = 0.4 keeps the first, scales the others to 1/3
+    torch.testing.assert_close(agreement_mask(vs, rho=0.4)["a"], torch.tensor([1.0, 1 / 3, 1 / 3]))
+    torch.testing.assert_close(agreement_mask(vs, rho=0.3)["a"], torch.ones(3))
+
+
+def test_weighted_average_matches_hand_computation():
+    vs = _vectors(3)
+    got = weighted_average(vs, [1.0, 2.0, 3.0])
+    for k in vs[0]:
+        torch.testing.assert_close(got[k], (vs[0][k] + 2 * vs[1][k] + 3 * vs[2][k]) / 6)
