@@ -4,7 +4,15 @@ import pytest
 import torch
 from peft.utils import merge_utils as peft_merge
 
-from hf_fedtask.merge import agreement_mask, magnitude_prune, sign_similarity, task_arithmetic, ties, weighted_average
+from hf_fedtask.merge import (
+    agreement_mask,
+    magnitude_prune,
+    sign_similarity,
+    task_arithmetic,
+    ties,
+    unify,
+    weighted_average,
+)
 from hf_fedtask.taskvector import TaskVector
 
 
@@ -72,3 +80,60 @@ def test_weighted_average_matches_hand_computation():
     got = weighted_average(vs, [1.0, 2.0, 3.0])
     for k in vs[0]:
         torch.testing.assert_close(got[k], (vs[0][k] + 2 * vs[1][k] + 3 * vs[2][k]) / 6)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_dare_equals_peft_under_the_same_seed(seed):
+    from hf_fedtask.merge import dare_linear, dare_ties
+
+    vs, w = _vectors(3, seed), [1.0, 0.5, 2.0]
+    torch.manual_seed(seed)
+    linear = {k: peft_merge.dare_linear([v[k] for v in vs], torch.tensor(w), 0.4) for k in vs[0]}
+    torch.manual_seed(seed)
+    tied = {k: peft_merge.dare_ties([v[k] for v in vs], torch.tensor(w), 0.4) for k in vs[0]}
+    got_linear, got_ties = dare_linear(vs, w, 0.4, seed=seed), dare_ties(vs, w, 0.4, seed=seed)
+    for k in vs[0]:
+        torch.testing.assert_close(got_linear[k], linear[k])
+        torch.testing.assert_close(got_ties[k], tied[k])
+
+
+def _unify_reference(vs):
+    """Independent, stacked implementation of MaTU/EMR unification (paper's global-sum rescaler)."""
+    flat = torch.stack([v.flatten() for v in vs])
+    sign = flat.sum(0).sign()
+    agree = flat.sign() == sign
+    mu = torch.where(agree, flat.abs(), torch.zeros_like(flat)).max(0).values
+    tau = sign * mu
+    masks = flat * tau > 0
+    lam = [float(flat[t].abs().sum() / (masks[t] * tau).abs().sum()) for t in range(len(vs))]
+    return tau, masks, lam
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unify_equals_independent_implementation(seed):
+    vs = _vectors(4, seed)
+    u = unify(vs)
+    tau, masks, lam = _unify_reference(vs)
+    torch.testing.assert_close(u.vector.flatten(), tau)
+    for t in range(4):
+        assert torch.equal(u.masks[t].flatten().bool(), masks[t])
+        assert u.rescalers[t] == pytest.approx(lam[t], rel=1e-6)
+    # the per-tensor-mean (EMR code) variant differs but is also positive
+    assert all(r > 0 for r in unify(vs, rescaler="per_tensor_mean").rescalers)
+
+
+def test_unify_of_one_task_recovers_it():
+    v = _vectors(1)[0]
+    u = unify([v])
+    assert u.rescalers[0] == pytest.approx(1.0)
+    for k in v:
+        torch.testing.assert_close(u.task_vector(0)[k], v[k])
+
+
+def test_unify_recovery_error_is_smaller_than_plain_average():
+    vs = _vectors(3, seed=7)
+    u = unify(vs)
+    mean = task_arithmetic(vs, [1 / 3] * 3)
+    err_unified = sum((u.task_vector(t) - vs[t]).norm() for t in range(3))
+    err_mean = sum((mean - vs[t]).norm() for t in range(3))
+    assert err_unified < err_mean

@@ -15,7 +15,8 @@ from ..taskvector import TaskVector
 SIGN_METHODS = ("total", "frequency")
 
 
-def _check(vectors: Sequence[TaskVector], weights: Sequence[float]) -> None:
+def check_compatible(vectors: Sequence[TaskVector], weights: Sequence[float]) -> None:
+    """Raise ValueError unless there is one weight per vector and all vectors share their keys."""
     if not vectors:
         raise ValueError("no task vectors to merge")
     if len(weights) != len(vectors):
@@ -27,7 +28,7 @@ def _check(vectors: Sequence[TaskVector], weights: Sequence[float]) -> None:
 
 def task_arithmetic(vectors: Sequence[TaskVector], weights: Sequence[float]) -> TaskVector:
     """Σ_t w_t·τ_t."""
-    _check(vectors, weights)
+    check_compatible(vectors, weights)
     out = {}
     for key in vectors[0]:
         acc = torch.zeros_like(vectors[0][key])
@@ -59,24 +60,28 @@ def ties(
     """TIES per tensor: trim each τ_t to `density`, elect the sign per entry from the *unweighted*
     trimmed values (sum for "total", sign count for "frequency"; a tie goes to +), then average the
     weighted agreeing entries over their count (peft's `ties`; weights act as multipliers)."""
-    if majority_sign_method not in SIGN_METHODS:
-        raise ValueError(f"majority_sign_method must be one of {SIGN_METHODS}, got {majority_sign_method!r}")
-    _check(vectors, weights)
-    out = {}
-    for key in vectors[0]:
-        trimmed = [magnitude_prune(tv[key], density) for tv in vectors]
-        vote = torch.zeros_like(trimmed[0])
-        for t in trimmed:
-            vote += t if majority_sign_method == "total" else t.sign()
-        majority = torch.where(vote >= 0, 1.0, -1.0).to(vote.dtype)
-        total = torch.zeros_like(vote)
-        count = torch.zeros_like(vote)
-        for t, w in zip(trimmed, weights):
-            agree = (t.sign() == majority).to(t.dtype)
-            total += t * float(w) * agree
-            count += agree
-        out[key] = total / count.clamp(min=1.0)
-    return TaskVector(out)
+    check_compatible(vectors, weights)
+    return TaskVector(
+        {key: elect_and_merge([magnitude_prune(tv[key], density) for tv in vectors], weights, majority_sign_method)
+         for key in vectors[0]}
+    )
+
+
+def elect_and_merge(trimmed: Sequence[torch.Tensor], weights: Sequence[float], method: str = "total") -> torch.Tensor:
+    """The sign election and disjoint mean of TIES on one parameter's already-trimmed task tensors."""
+    if method not in SIGN_METHODS:
+        raise ValueError(f"majority_sign_method must be one of {SIGN_METHODS}, got {method!r}")
+    vote = torch.zeros_like(trimmed[0])
+    for t in trimmed:
+        vote += t if method == "total" else t.sign()
+    majority = torch.where(vote >= 0, 1.0, -1.0).to(vote.dtype)
+    total = torch.zeros_like(vote)
+    count = torch.zeros_like(vote)
+    for t, w in zip(trimmed, weights):
+        agree = (t.sign() == majority).to(t.dtype)
+        total += t * float(w) * agree
+        count += agree
+    return total / count.clamp(min=1.0)
 
 
 def sign_similarity(vectors: Sequence[TaskVector]) -> torch.Tensor:
@@ -88,7 +93,7 @@ def sign_similarity(vectors: Sequence[TaskVector]) -> torch.Tensor:
 def agreement_mask(vectors: Sequence[TaskVector], rho: float = 0.4) -> TaskVector:
     """MaTU Eq. 3 (from Gradient Masked Averaging): α[j] = |mean_n sgn(τ_n[j])|; the soft mask is 1
     where α ≥ ρ and α elsewhere, so disagreeing entries are scaled down, not dropped."""
-    _check(vectors, [1.0] * len(vectors))
+    check_compatible(vectors, [1.0] * len(vectors))
     out = {}
     for key in vectors[0]:
         alpha = sum(tv[key].sign() for tv in vectors).abs() / len(vectors)
