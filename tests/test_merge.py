@@ -137,3 +137,17 @@ def test_unify_recovery_error_is_smaller_than_plain_average():
     err_unified = sum((u.task_vector(t) - vs[t]).norm() for t in range(3))
     err_mean = sum((mean - vs[t]).norm() for t in range(3))
     assert err_unified < err_mean
+
+
+def test_ties_model_scope_trims_over_the_whole_vector():
+    from hf_fedtask.merge.ties import trim
+
+    small = TaskVector({"a": torch.tensor([0.1, 0.2, 0.3, 0.4]), "b": torch.tensor([5.0, 6.0, 7.0, 8.0])})
+    kept = trim(small, 0.5, "model")  # the 4 largest of 8 entries are all in "b"
+    assert torch.equal(kept["a"], torch.zeros(4)) and torch.equal(kept["b"], small["b"])
+    per_tensor = trim(small, 0.5, "tensor")  # the 2 largest of each parameter
+    assert torch.equal(per_tensor["a"], torch.tensor([0.0, 0.0, 0.3, 0.4]))
+    merged = ties([small, small], [1.0, 1.0], 0.5, scope="model")
+    assert torch.equal(merged["a"], torch.zeros(4)) and torch.equal(merged["b"], small["b"])
+    with pytest.raises(ValueError, match="scope"):
+        ties([small], [1.0], 0.5, scope="layer")

@@ -56,15 +56,28 @@ def ties(
     weights: Sequence[float],
     density: float,
     majority_sign_method: str = "total",
+    scope: str = "tensor",
 ) -> TaskVector:
-    """TIES per tensor: trim each τ_t to `density`, elect the sign per entry from the *unweighted*
-    trimmed values (sum for "total", sign count for "frequency"; a tie goes to +), then average the
-    weighted agreeing entries over their count (peft's `ties`; weights act as multipliers)."""
+    """TIES: trim each τ_t to `density`, elect the sign per entry from the *unweighted* trimmed
+    values (sum for "total", sign count for "frequency"; a tie goes to +), then average the weighted
+    agreeing entries over their count (weights act as multipliers, as in peft).
+
+    `scope="tensor"` trims each parameter on its own (peft's `ties`); `scope="model"` keeps the top
+    `density` of each task vector as a whole (the TIES paper)."""
     check_compatible(vectors, weights)
+    trimmed = [trim(tv, density, scope) for tv in vectors]
     return TaskVector(
-        {key: elect_and_merge([magnitude_prune(tv[key], density) for tv in vectors], weights, majority_sign_method)
-         for key in vectors[0]}
+        {key: elect_and_merge([t[key] for t in trimmed], weights, majority_sign_method) for key in vectors[0]}
     )
+
+
+def trim(tv: TaskVector, density: float, scope: str = "tensor") -> TaskVector:
+    """Magnitude-trim a task vector per parameter ("tensor") or over all its entries ("model")."""
+    if scope == "tensor":
+        return TaskVector({k: magnitude_prune(v, density) for k, v in tv.items()})
+    if scope == "model":
+        return TaskVector.unflatten(magnitude_prune(tv.flatten(), density), tv)
+    raise ValueError(f"scope must be 'tensor' or 'model', got {scope!r}")
 
 
 def elect_and_merge(trimmed: Sequence[torch.Tensor], weights: Sequence[float], method: str = "total") -> torch.Tensor:
