@@ -104,7 +104,7 @@ def child(args) -> None:
     t0 = time.perf_counter()
     gc.collect()
     t_gc = time.perf_counter() - t0
-    state = sim.strategy.init_state(sim.host, sim.tasks, config.seed)
+    state = sim.initial_state()
     t0 = time.perf_counter()
     state, record = sim.run_round(state, 1)
     t_round = time.perf_counter() - t0

@@ -41,7 +41,7 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
         folder = save_adapter(
             run_dir / ADAPTERS_DIR / task.name,
             peft_config=peft_config,
-            state_dict=sim.strategy.task_parameters(state, task.name),
+            state_dict=sim.strategy.task_parameters(state, task.name, sim.client_stores),
             base_model_id=sim.base.model_id,
             card=render_model_card(info),
         )

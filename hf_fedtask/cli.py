@@ -43,8 +43,8 @@ def _export(args) -> int:
 
     config = RunConfig.from_yaml(os.path.join(args.run_dir, RUN_CONFIG_FILE))
     sim = Simulation(config)
-    state, history = load_checkpoint(args.run_dir, fingerprint=config.fingerprint(),
-                                     template=sim.strategy.init_state(sim.host, sim.tasks, config.seed))
+    state, history, stores = load_checkpoint(args.run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
+    sim.client_stores.update(stores)
     folders = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
     for folder in folders:
         print(folder)

@@ -30,9 +30,9 @@ from .errors import OutputDirError
 from .evaluation import evaluate
 from .reference import shipped_reference
 from .strategies import ClientJob, GlobalState, Strategy, build_strategy
-from .strategies.base import SHARED
-from .taskvector import peft_config_hash
-from .update import ClientUpdate, pack_vectors
+from .strategies.base import SHARED, ClientStore
+from .taskvector import TaskVector, peft_config_hash
+from .update import ClientUpdate, pack_vectors, unpack_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,17 @@ class Simulation:
             {name: self.host.tokenize(ds, by_name[name]) for name, ds in client.items()} for client in federation
         ]
         self.test_data = {t.name: self.host.tokenize(t.dataset["test"], t) for t in self.tasks}
+        self.origin = self.host.initial_shared()  # before any training: the seeded PEFT init θ_p
+        self.client_stores: dict[int, ClientStore] = {cid: {} for cid in range(len(self.client_data))}
         self.trainer = build_trainer(self.host, config)
+
+    @property
+    def allocation(self) -> dict[int, list[str]]:
+        """A(n, t): client id -> the tasks it holds."""
+        return {cid: sorted(data) for cid, data in enumerate(self.client_data)}
+
+    def initial_state(self) -> GlobalState:
+        return self.strategy.init_state(self.host, self.tasks, self.config.seed, self.allocation)
 
     @property
     def num_clients(self) -> int:
@@ -148,8 +158,8 @@ class Simulation:
 
     def evaluate_all(self, state: GlobalState) -> dict[str, dict]:
         return {
-            t.name: evaluate(self.host, self.strategy.task_parameters(state, t.name), self.test_data[t.name], t.metric,
-                             self.config.eval_batch_size)
+            t.name: evaluate(self.host, self.strategy.task_parameters(state, t.name, self.client_stores),
+                             self.test_data[t.name], t.metric, self.config.eval_batch_size)
             for t in self.tasks
         }
 
@@ -157,19 +167,21 @@ class Simulation:
         start = time.perf_counter()
         clients = self.sample_clients(round_)
         updates: list[ClientUpdate] = []
-        up_bytes = down_bytes = 0
+        traffic: dict[int, dict[str, int]] = {}
         header = self.header()
         for cid in tqdm(clients, desc=f"round {round_} clients", leave=False, dynamic_ncols=True):
-            # what the server sends this client is exactly what its update must match
-            templates = self.strategy.update_templates(state, sorted(self.client_data[cid]))
-            down_bytes += len(pack_vectors(templates).to_bytes())
-            job = ClientJob(client_id=cid, round=round_, data=self.client_data[cid], seed=self.config.seed)
-            payload = self.strategy.client_update(state, job, self.trainer).to_bytes(**header)
-            up_bytes += len(payload)
+            tasks = sorted(self.client_data[cid])
+            # both directions go through their safetensors bytes, so byte counts are exact
+            sent = pack_vectors(self.strategy.downlink(state, cid, tasks)).to_bytes()
+            downlink = unpack_vectors(TaskVector.from_bytes(sent, source=f"downlink to client {cid}"))
+            job = ClientJob(client_id=cid, round=round_, data=self.client_data[cid], seed=self.config.seed,
+                            origin=self.origin, store=self.client_stores[cid])
+            payload = self.strategy.client_update(downlink, job, self.trainer).to_bytes(**header)
+            traffic[cid] = {"uplink": len(payload), "downlink": len(sent)}
             updates.append(
                 ClientUpdate.from_bytes(
                     payload,
-                    templates=templates,
+                    templates=self.strategy.update_templates(state, cid, tasks),
                     expect=header,
                     source=f"client {cid} (round {round_})",
                 )
@@ -184,8 +196,9 @@ class Simulation:
             "train_loss": float(np.mean(losses)) if losses else None,
             "eval": evals,
             "mean_metric": float(np.mean(metric_values)),
-            "bytes_uplink": up_bytes,
-            "bytes_downlink": down_bytes,
+            "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
+            "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
+            "bytes_per_client": {str(c): t for c, t in traffic.items()},
             "seconds": round(time.perf_counter() - start, 3),
         }
         return state, record
@@ -204,10 +217,11 @@ def run(
     check_output_dir(config, resume=resume, overwrite=overwrite)
     sim = Simulation(config)  # bad suite/task/model names fail here, before anything is written
     run_dir = claim_output_dir(config, overwrite=overwrite)
-    state = sim.strategy.init_state(sim.host, sim.tasks, config.seed)
+    state = sim.initial_state()
     history: list[dict] = []
     if resume and (run_dir / CHECKPOINT_FILE).exists():
-        state, history = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=state)
+        state, history, stores = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=state)
+        sim.client_stores.update(stores)
     write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
     tracker = _Tracker(config, run_dir)
     header = sim.header()
@@ -216,7 +230,8 @@ def run(
     for r in rounds:
         state, record = sim.run_round(state, r)
         history.append(record)
-        save_checkpoint(run_dir, state, history=history, fingerprint=config.fingerprint(), **header)
+        save_checkpoint(run_dir, state, history=history, fingerprint=config.fingerprint(), stores=sim.client_stores,
+                        **header)
         with open(run_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
         tracker.log(record)

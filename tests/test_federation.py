@@ -55,8 +55,7 @@ def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_confi
     sim = federation.Simulation(tiny_config)
     from hf_fedtask.checkpoint import load_checkpoint
 
-    state, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(),
-                               template=sim.strategy.init_state(sim.host, sim.tasks, 0))
+    state, _, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(), template=sim.initial_state())
     tok = AutoTokenizer.from_pretrained(tiny_bert_dir)
     batch = tok(["red apple number 5", "blue sky number 9", "green leaf"], padding=True, return_tensors="pt")
     sim.host.load_state(sim.strategy.task_parameters(state, "colors"))
@@ -102,8 +101,8 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tiny_config, tm
 def test_nan_update_is_rejected_naming_the_client_and_nothing_is_written(tiny_config, monkeypatch):
     original = FedAvg.client_update
 
-    def poisoned(self, state, job, trainer):
-        update = original(self, state, job, trainer)
+    def poisoned(self, downlink, job, trainer):
+        update = original(self, downlink, job, trainer)
         if job.client_id == 1:
             key = next(iter(update.vectors["shared"]))
             update.vectors["shared"][key][0] = float("nan")
@@ -175,8 +174,9 @@ def test_fedprox_term_pulls_clients_toward_the_server(tiny_config, tmp_path):
     norms = {}
     for name, mu in (("fedavg", 0.0), ("fedprox", 50.0)):
         strategy = build_strategy(name, {"proximal_mu": mu})
-        state = strategy.init_state(sim.host, sim.tasks, 0)
-        norms[name] = strategy.client_update(state, job, sim.trainer).vectors["shared"].norm()
+        state = strategy.init_state(sim.host, sim.tasks, 0, sim.allocation)
+        downlink = strategy.downlink(state, 0, job.tasks)
+        norms[name] = strategy.client_update(downlink, job, sim.trainer).vectors["shared"].norm()
     assert norms["fedprox"] < 0.8 * norms["fedavg"]
 
 
@@ -188,7 +188,7 @@ def test_proximal_loss_is_half_mu_times_squared_distance(tiny_config, tmp_path):
     sim = federation.Simulation(tiny_config)
     task = next(iter(sim.client_data[0]))
     data = sim.client_data[0][task]
-    sim.host.load_state(sim.strategy.task_parameters(sim.strategy.init_state(sim.host, sim.tasks, 0), task))
+    sim.host.load_state(sim.strategy.task_parameters(sim.initial_state(), task))
     batch = sim.trainer.collator([data[i] for i in range(4)])
     model = sim.host.model
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")

@@ -1,10 +1,12 @@
 """The shape every algorithm takes: a pair of functions over task vectors.
 
-    client_update(state, job, trainer) -> ClientUpdate      # runs on the client
-    server_aggregate(state, [ClientUpdate]) -> GlobalState  # runs on the server
+    downlink(state, client, tasks) -> named vectors          # what the server sends one client
+    client_update(downlink, job, trainer) -> ClientUpdate    # runs on the client
+    server_aggregate(state, [ClientUpdate]) -> GlobalState   # runs on the server
 
 Engines (the in-process simulator today; Flower or multi-process later) only move these values
-around, so a strategy file reads like its paper's algorithm box.
+around, so a strategy file reads like its paper's algorithm box. A client sees nothing but its
+downlink, its own data and its private `store` (personal layers that never leave it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -22,6 +25,7 @@ from ..client import LocalTrainer
 from ..data.task import Task
 from ..errors import ConfigError
 from ..host import PeftHost
+from ..merge import weighted_average
 from ..taskvector import TaskVector
 from ..update import ClientUpdate
 
@@ -35,31 +39,56 @@ def head_name(task: str) -> str:
 
 @dataclass
 class GlobalState:
-    """Server state after `round` finished rounds: named vectors of *absolute* parameters (e.g.
-    `shared` PEFT modules and one `head/<task>` per task) plus JSON-able scalars."""
+    """Server state after `round` finished rounds: named vectors (e.g. `shared` PEFT modules and one
+    `head/<task>` per task) plus JSON-able scalars (e.g. the task allocation A(n, t))."""
 
     round: int
     vectors: dict[str, TaskVector]
     scalars: dict = field(default_factory=dict)
 
+    @property
+    def allocation(self) -> dict[int, list[str]]:
+        """Client id -> the tasks it holds."""
+        return {int(c): tasks for c, tasks in self.scalars["allocation"].items()}
+
+    def holders(self, task: str) -> list[int]:
+        return [c for c, tasks in self.allocation.items() if task in tasks]
+
+
+ClientStore = dict[str, TaskVector]
+"""A client's private, persistent tensors (e.g. FedPer's personal layers). The engine keeps one per
+client and checkpoints it; the server never reads it."""
+
 
 @dataclass
 class ClientJob:
-    """What one client works on in one round: its tokenized train data per task, and a seed."""
+    """What one client works on in one round: its tokenized train data per task, a seed, the seeded
+    PEFT init every task vector is measured from (rebuilt by clients from the broadcast seed), and
+    the client's private store."""
 
     client_id: int
     round: int
     data: dict[str, Dataset]
     seed: int
+    origin: TaskVector | None = None
+    store: ClientStore = field(default_factory=dict)
 
     def seed_for(self, task: str) -> int:
         """A per-(run seed, round, client, task) seed: identical whatever ran before it."""
         task_id = zlib.crc32(task.encode())
         return int(np.random.SeedSequence([self.seed, self.round, self.client_id, task_id]).generate_state(1)[0])
 
+    @property
+    def tasks(self) -> list[str]:
+        return sorted(self.data)
+
+    def num_samples(self) -> dict[str, int]:
+        return {t: len(d) for t, d in self.data.items()}
+
 
 class Strategy(ABC):
-    """Base class: registry, hyperparameters, and the default state layout (shared + heads)."""
+    """Base class: registry, hyperparameters, and the default layout (shared modules + one head per
+    task, both sent to clients as absolute parameters)."""
 
     name: ClassVar[str]
     paper: ClassVar[str] = ""
@@ -67,25 +96,43 @@ class Strategy(ABC):
     def hyperparameters(self) -> dict:
         return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
 
-    def init_state(self, host: PeftHost, tasks: list[Task], seed: int) -> GlobalState:
+    def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
         vectors = {SHARED: host.initial_shared()}
         for i, task in enumerate(tasks):
             vectors[head_name(task.name)] = host.initial_head(task.num_labels, seed=seed * 1000 + i)
-        return GlobalState(round=0, vectors=vectors)
+        return GlobalState(round=0, vectors=vectors, scalars={"allocation": {str(c): t for c, t in allocation.items()}})
 
-    def task_parameters(self, state: GlobalState, task: str) -> TaskVector:
-        """The full PEFT state (shared modules + this task's head) used to evaluate/export `task`."""
+    def task_parameters(self, state: GlobalState, task: str, stores: dict[int, ClientStore] | None = None) -> TaskVector:
+        """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`.
+        Personalized strategies combine the holders' `stores`."""
         return TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
 
-    def update_templates(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
-        """What an update from a client holding `tasks` must contain (keys, shapes, dtypes)."""
+    def downlink(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
+        """Exactly what the server sends `client_id` (holding `tasks`) this round."""
         return {SHARED: state.vectors[SHARED], **{head_name(t): state.vectors[head_name(t)] for t in tasks}}
 
+    def update_templates(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
+        """What that client's update must contain (keys, shapes, dtypes); by default its downlink."""
+        return self.downlink(state, client_id, tasks)
+
     @abstractmethod
-    def client_update(self, state: GlobalState, job: ClientJob, trainer: LocalTrainer) -> ClientUpdate: ...
+    def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate: ...
 
     @abstractmethod
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState: ...
+
+
+def average_heads(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0) -> dict[str, TaskVector]:
+    """Each task's head moved by `server_lr` times the sample-weighted mean of the head changes
+    (`head/<task>` in the updates) of the clients holding that task; heads of absent tasks stay."""
+    updates = list(updates)
+    heads = {}
+    for task in sorted({t for u in updates for t in u.num_samples}):
+        holders = [u for u in updates if task in u.num_samples]
+        key = head_name(task)
+        mean = weighted_average((u.vectors[key] for u in holders), (u.num_samples[task] for u in holders))
+        heads[key] = state.vectors[key] + server_lr * mean
+    return heads
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -102,4 +149,7 @@ def build_strategy(name: str, options: dict) -> Strategy:
         raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}")
     cls = STRATEGIES[name]
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    return cls(**{k: v for k, v in options.items() if k in fields})
+    strategy = cls(**{k: v for k, v in options.items() if k in fields})
+    if hasattr(strategy, "check"):
+        strategy.check()
+    return strategy

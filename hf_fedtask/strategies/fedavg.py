@@ -14,7 +14,7 @@ from ..client import LocalTrainer
 from ..merge import weighted_average
 from ..taskvector import TaskVector
 from ..update import ClientUpdate
-from .base import SHARED, ClientJob, GlobalState, Strategy, head_name, register_strategy
+from .base import SHARED, ClientJob, GlobalState, Strategy, average_heads, head_name, register_strategy
 
 
 @register_strategy
@@ -28,35 +28,34 @@ class FedAvg(Strategy):
     def _proximal_mu(self) -> float:
         return 0.0
 
-    def client_update(self, state: GlobalState, job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
-        shared = state.vectors[SHARED]
-        heads, metrics = {}, {}
-        for task in sorted(job.data):
-            start = TaskVector({**shared, **state.vectors[head_name(task)]})
-            trained, m = trainer.train(start, job.data[task], seed=job.seed_for(task), proximal_mu=self._proximal_mu())
-            shared = trained.filter(lambda k: k in state.vectors[SHARED])
-            heads[task] = trained.filter(lambda k: k not in state.vectors[SHARED])
-            metrics[f"{task}/train_loss"] = m["train_loss"]
-        vectors = {SHARED: shared - state.vectors[SHARED]}
-        vectors.update({head_name(t): h - state.vectors[head_name(t)] for t, h in heads.items()})
-        return ClientUpdate(
-            client_id=job.client_id,
-            round=job.round,
-            vectors=vectors,
-            num_samples={t: len(d) for t, d in job.data.items()},
-            metrics=metrics,
-        )
+    def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
+        shared, heads, metrics = train_tasks_in_turn(downlink, job, trainer, proximal_mu=self._proximal_mu())
+        vectors = {SHARED: shared - downlink[SHARED]}
+        vectors.update({head_name(t): h - downlink[head_name(t)] for t, h in heads.items()})
+        return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         vectors = dict(state.vectors)
         mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
         vectors[SHARED] = state.vectors[SHARED] + self.server_lr * mean
-        for task in sorted({t for u in updates for t in u.num_samples}):
-            holders = [u for u in updates if task in u.num_samples]
-            key = head_name(task)
-            mean = weighted_average((u.vectors[key] for u in holders), (u.num_samples[task] for u in holders))
-            vectors[key] = state.vectors[key] + self.server_lr * mean
+        vectors.update(average_heads(state, updates, self.server_lr))
         return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+
+
+def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer,
+                        proximal_mu: float = 0.0) -> tuple[TaskVector, dict[str, TaskVector], dict]:
+    """One model for all of a client's tasks: train each task (in name order) starting from the
+    shared modules the previous task left and the task's own head. Returns the final shared modules,
+    each task's trained head, and the train losses."""
+    shared = downlink[SHARED]
+    heads, metrics = {}, {}
+    for task in job.tasks:
+        start = TaskVector({**shared, **downlink[head_name(task)]})
+        trained, m = trainer.train(start, job.data[task], seed=job.seed_for(task), proximal_mu=proximal_mu)
+        shared = trained.filter(lambda k: k in downlink[SHARED])
+        heads[task] = trained.filter(lambda k: k not in downlink[SHARED])
+        metrics[f"{task}/train_loss"] = m["train_loss"]
+    return shared, heads, metrics
 
 
 @register_strategy
