@@ -57,14 +57,23 @@ class RunConfig:
     # server / strategy
     server_lr: float = 1.0
     proximal_mu: float = 0.01
+    # MaTU (algorithms.md §3)
+    rho: float = 0.4  # agreement-mask threshold
+    kappa: int = 2  # cross-task neighbours per task
+    epsilon: float = 0.5  # minimum sign similarity of a neighbour
+    combine: str = "s_normalized"  # sum | mean | s_normalized
+    rescaler: str = "global_sum"  # global_sum | per_tensor_mean
+    include_self: bool = False
     # bookkeeping
     eval_batch_size: int = 128
     seed: int = 0
     report_to: list[str] = field(default_factory=list)  # e.g. [tensorboard]; any Accelerate tracker
     export: bool = True
+    save_payloads: bool = False  # keep every round's uplink/downlink bytes under output_dir/payloads (audits)
 
     # fields that may change between a run and its resumption without making it a different run
-    RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = ("output_dir", "rounds", "report_to", "export", "eval_batch_size")
+    RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = ("output_dir", "rounds", "report_to", "export", "eval_batch_size",
+                                                             "save_payloads")
 
     def __post_init__(self):
         if not self.tasks and not self.suite:

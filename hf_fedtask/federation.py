@@ -40,6 +40,7 @@ RUN_CONFIG_FILE = "run_config.yaml"
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
 PLOT_FILE = "accuracy_vs_round.png"
+PAYLOADS_DIR = "payloads"
 
 
 def load_tasks(config: RunConfig) -> list[Task]:
@@ -54,9 +55,12 @@ def load_tasks(config: RunConfig) -> list[Task]:
     return tasks
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, content: str | bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    if isinstance(content, bytes):
+        tmp.write_bytes(content)
+    else:
+        tmp.write_text(content)
     os.replace(tmp, path)
 
 
@@ -128,6 +132,7 @@ class Simulation:
         self.test_data = {t.name: self.host.tokenize(t.dataset["test"], t) for t in self.tasks}
         self.origin = self.host.initial_shared()  # before any training: the seeded PEFT init θ_p
         self.client_stores: dict[int, ClientStore] = {cid: {} for cid in range(len(self.client_data))}
+        self.payload_dir: Path | None = None  # set to keep each round's wire bytes on disk
         self.trainer = build_trainer(self.host, config)
 
     @property
@@ -178,6 +183,11 @@ class Simulation:
                             origin=self.origin, store=self.client_stores[cid])
             payload = self.strategy.client_update(downlink, job, self.trainer).to_bytes(**header)
             traffic[cid] = {"uplink": len(payload), "downlink": len(sent)}
+            if self.payload_dir is not None:
+                folder = self.payload_dir / f"round_{round_}"
+                folder.mkdir(parents=True, exist_ok=True)
+                write_atomic(folder / f"client_{cid}.uplink.safetensors", payload)
+                write_atomic(folder / f"client_{cid}.downlink.safetensors", sent)
             updates.append(
                 ClientUpdate.from_bytes(
                     payload,
@@ -217,6 +227,8 @@ def run(
     check_output_dir(config, resume=resume, overwrite=overwrite)
     sim = Simulation(config)  # bad suite/task/model names fail here, before anything is written
     run_dir = claim_output_dir(config, overwrite=overwrite)
+    if config.save_payloads:
+        sim.payload_dir = run_dir / PAYLOADS_DIR
     state = sim.initial_state()
     history: list[dict] = []
     if resume and (run_dir / CHECKPOINT_FILE).exists():

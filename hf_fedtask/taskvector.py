@@ -130,10 +130,13 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
     def __neg__(self) -> TaskVector:
         return self.apply(torch.neg)
 
-    def __mul__(self, scalar: Any) -> TaskVector:
-        if not isinstance(scalar, numbers.Number):
+    def __mul__(self, other: Any) -> TaskVector:
+        """A scalar multiple, or the entrywise (Hadamard) product with a vector of the same keys."""
+        if isinstance(other, TaskVector):
+            return TaskVector(self._zip(other, torch.mul))
+        if not isinstance(other, numbers.Number):
             return NotImplemented
-        return self.apply(lambda t: t * scalar)
+        return self.apply(lambda t: t * other)
 
     __rmul__ = __mul__
 

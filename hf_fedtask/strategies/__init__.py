@@ -2,6 +2,7 @@
 
 from .base import STRATEGIES, ClientJob, GlobalState, Strategy, build_strategy, head_name, register_strategy
 from .fedavg import FedAvg, FedProx
+from .matu import MaTU
 
 __all__ = [
     "STRATEGIES",
@@ -9,6 +10,7 @@ __all__ = [
     "FedAvg",
     "FedProx",
     "GlobalState",
+    "MaTU",
     "Strategy",
     "build_strategy",
     "head_name",

@@ -1,0 +1,201 @@
+"""MaTU (Many-Task FL via Unified Task Vectors), as specified in algorithms.md §3.
+
+Client n holding tasks T_n receives one unified vector τ_n, a binary mask m_n^t and a rescaler λ_n^t
+per task. For each task it trains from θ_p + λ_n^t·(m_n^t ⊙ τ_n), giving τ_n^t (cumulative, measured
+from the seeded PEFT init θ_p), then unifies its task vectors and uploads τ_n, the masks and the
+rescalers. The server, per task t over the participating holders N^t:
+
+    α^t = |mean_n sgn(m_n^t ⊙ τ_n)|,  m̂^t = 1 where α^t ≥ ρ else α^t            (Eq. 3)
+    τ̂^t = m̂^t ⊙ Σ_n γ_n^t·λ_n^t·(m_n^t ⊙ τ_n),   γ_n^t ∝ |D_n^t|                (Eq. 4)
+    S(t, t') = ½(mean_j sgn τ̂^t·sgn τ̂^t' + 1)                                   (Eq. 5)
+    Z^t = top-κ tasks t' ≠ t with S(t, t') > ε
+    τ̃^t = Σ_{t'∈Z^t} S(t, t')·m̂^t ⊙ τ̂^t'                                      (Eq. 6)
+    τ^t ← combine(τ̂^t, τ̃^t)                                                    (Eq. 7)
+
+then sends each client the unification of {τ^t : t ∈ T_n}. Tasks without a participant this round
+keep τ^t. The server state is per task only (τ^t, heads), never per client; each round it also
+unifies all T task vectors into the exported form (one τ, T masks, T rescalers), which is what
+`task_parameters` evaluates and `export` writes.
+
+Heads are per task and cannot be unified (their shapes differ): they travel as float32 and are
+averaged over the task's holders as in FedAvg (the paper's ViT heads are not described).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..client import LocalTrainer
+from ..errors import ConfigError
+from ..merge import agreement_mask, sign_similarity, unify
+from ..merge.bitmask import pack_bits, packed_size, unpack_bits
+from ..merge.unify import RESCALERS
+from ..taskvector import TaskVector
+from ..update import ClientUpdate
+from .base import SHARED, ClientJob, GlobalState, Strategy, average_heads, head_name, register_strategy
+
+UNIFIED = "unified"
+MASKS = "masks"
+RESCALERS_VECTOR = "rescalers"
+EXPORT_PREFIX = "export/"
+COMBINE_RULES = ("sum", "mean", "s_normalized")
+FLAT_KEY = "flat"
+
+
+def task_vector_name(task: str) -> str:
+    """Name of the server's cumulative task vector τ^t in the state."""
+    return f"task/{task}"
+
+
+def encode_unified(vectors: dict[str, TaskVector], rescaler: str) -> dict[str, TaskVector]:
+    """Unify task vectors (task -> τ^t, PEFT keys) into MaTU's wire form: the unified vector as one
+    flat float32 tensor, one bit-packed mask per task over the same flat layout, one float32
+    rescaler per task. Flat tensors keep the safetensors header to a few keys however many modules."""
+    tasks = list(vectors)
+    u = unify([vectors[t] for t in tasks], rescaler=rescaler)
+    flat = u.vector.flatten().float()
+    return {
+        UNIFIED: TaskVector({FLAT_KEY: flat}),
+        MASKS: TaskVector({t: pack_bits(vectors[t].flatten() * flat > 0) for t in tasks}),  # m_t = 1[τ_t ⊙ τ > 0]
+        RESCALERS_VECTOR: TaskVector({t: torch.tensor(u.rescalers[i], dtype=torch.float32) for i, t in enumerate(tasks)}),
+    }
+
+
+def decode_task(wire: dict[str, TaskVector], task: str, like: TaskVector) -> TaskVector:
+    """m^t ⊙ τ from the wire form, in the keys, shapes and dtypes of `like`."""
+    flat = wire[UNIFIED][FLAT_KEY]
+    return TaskVector.unflatten(flat * unpack_bits(wire[MASKS][task], flat.numel()), like)
+
+
+def wire_template(numel: int, tasks: list[str]) -> dict[str, TaskVector]:
+    """Keys, shapes and dtypes of the wire form for a client holding `tasks` (values are zeros)."""
+    return {
+        UNIFIED: TaskVector({FLAT_KEY: torch.zeros(numel)}),
+        MASKS: TaskVector({t: torch.zeros(packed_size(numel), dtype=torch.uint8) for t in tasks}),
+        RESCALERS_VECTOR: TaskVector({t: torch.zeros(()) for t in tasks}),
+    }
+
+
+@register_strategy
+@dataclass
+class MaTU(Strategy):
+    name = "matu"
+    paper = "Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025"
+
+    rho: float = 0.4  # agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)
+    kappa: int = 2  # neighbours per task in the cross-task aggregation (never given by the paper)
+    epsilon: float = 0.5  # minimum sign similarity S(t, t') of a neighbour
+    combine: str = "s_normalized"  # Eq. 7: sum (literal) | mean | s_normalized
+    rescaler: str = "global_sum"  # global_sum (the paper) | per_tensor_mean (EMR's code)
+    include_self: bool = False  # whether t may be its own neighbour (S(t, t) = 1)
+
+    def check(self) -> None:
+        if self.combine not in COMBINE_RULES:
+            raise ConfigError(f"config: combine must be one of {', '.join(COMBINE_RULES)}, got {self.combine!r}")
+        if self.rescaler not in RESCALERS:
+            raise ConfigError(f"config: rescaler must be one of {', '.join(RESCALERS)}, got {self.rescaler!r}")
+        if not 0 <= self.rho <= 1:
+            raise ConfigError(f"config: rho must be in [0, 1], got {self.rho}")
+        if self.kappa < 0:
+            raise ConfigError(f"config: kappa must be >= 0, got {self.kappa}")
+
+    # -- state ---------------------------------------------------------------------------------
+    def init_state(self, host, tasks, seed, allocation) -> GlobalState:
+        state = super().init_state(host, tasks, seed, allocation)  # SHARED holds θ_p and never moves
+        zero = state.vectors[SHARED].zeros_like()
+        for task in tasks:
+            state.vectors[task_vector_name(task.name)] = zero
+        state.vectors.update(self._exported(state))
+        return state
+
+    def _task_vectors(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
+        return {t: state.vectors[task_vector_name(t)] for t in tasks}
+
+    def _all_tasks(self, state: GlobalState) -> list[str]:
+        return sorted({t for tasks in state.allocation.values() for t in tasks})
+
+    def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
+        """All tasks unified (what is evaluated and exported), stored in the state as `export/*`."""
+        wire = encode_unified(self._task_vectors(state, self._all_tasks(state)), self.rescaler)
+        return {EXPORT_PREFIX + name: tv for name, tv in wire.items()}
+
+    def exported_wire(self, state: GlobalState) -> dict[str, TaskVector]:
+        return {name: state.vectors[EXPORT_PREFIX + name] for name in (UNIFIED, MASKS, RESCALERS_VECTOR)}
+
+    def task_parameters(self, state, task, stores=None) -> TaskVector:
+        """θ_p + λ_t·(m_t ⊙ τ) from the all-task unification, plus the task's head."""
+        origin = state.vectors[SHARED]
+        wire = self.exported_wire(state)
+        masked = decode_task(wire, task, origin)
+        shared = origin + float(wire[RESCALERS_VECTOR][task]) * masked
+        return TaskVector({**shared, **state.vectors[head_name(task)]})
+
+    # -- communication -----------------------------------------------------------------------------
+    def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        heads = {head_name(t): state.vectors[head_name(t)] for t in tasks}
+        return {**encode_unified(self._task_vectors(state, tasks), self.rescaler), **heads}
+
+    def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        numel = sum(t.numel() for t in state.vectors[SHARED].values())
+        return {**wire_template(numel, tasks), **{head_name(t): state.vectors[head_name(t)] for t in tasks}}
+
+    # -- client ------------------------------------------------------------------------------------
+    def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
+        origin = job.origin
+        trained_vectors, head_deltas, metrics = {}, {}, {}
+        for task in job.tasks:
+            masked = decode_task(downlink, task, origin)
+            lam = float(downlink[RESCALERS_VECTOR][task])
+            start = TaskVector({**(origin + lam * masked), **downlink[head_name(task)]})
+            trained, m = trainer.train(start, job.data[task], seed=job.seed_for(task))
+            trained_vectors[task] = trained.filter(lambda k: k in origin) - origin
+            head_deltas[head_name(task)] = trained.filter(lambda k: k not in origin) - downlink[head_name(task)]
+            metrics[f"{task}/train_loss"] = m["train_loss"]
+        vectors = {**encode_unified(trained_vectors, self.rescaler), **head_deltas}
+        return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
+
+    # -- server ------------------------------------------------------------------------------------
+    def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        origin = state.vectors[SHARED]
+        same_task, soft_masks = {}, {}
+        for task in sorted({t for u in updates for t in u.num_samples}):
+            holders = [u for u in updates if task in u.num_samples]
+            total = sum(u.num_samples[task] for u in holders)
+            reconstructed = [decode_task(u.vectors, task, origin) for u in holders]  # τ_n^t ≈ m_n^t ⊙ τ_n
+            soft_masks[task] = agreement_mask(reconstructed, self.rho)
+            weighted = reconstructed[0].zeros_like()
+            for u, r in zip(holders, reconstructed):
+                weighted = weighted + (u.num_samples[task] / total * float(u.vectors[RESCALERS_VECTOR][task])) * r
+            same_task[task] = soft_masks[task] * weighted
+        vectors = dict(state.vectors)
+        vectors.update({task_vector_name(t): v for t, v in self._cross_task(same_task, soft_masks).items()})
+        vectors.update(average_heads(state, updates))
+        new = GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+        new.vectors.update(self._exported(new))
+        return new
+
+    def neighbours(self, similarity: torch.Tensor, index: int) -> list[int]:
+        """Z^t: the top-κ tasks by S(t, ·) among those with S > ε (t itself only if include_self)."""
+        order = torch.argsort(similarity[index], descending=True, stable=True).tolist()
+        eligible = [j for j in order if similarity[index, j] > self.epsilon and (self.include_self or j != index)]
+        return eligible[: self.kappa]
+
+    def _cross_task(self, same_task: dict[str, TaskVector], soft_masks: dict[str, TaskVector]) -> dict[str, TaskVector]:
+        """Eqs. 5-7 over the tasks that had participants this round."""
+        tasks = list(same_task)
+        similarity = sign_similarity([same_task[t] for t in tasks])
+        out = {}
+        for i, task in enumerate(tasks):
+            zs = self.neighbours(similarity, i)
+            cross = same_task[task].zeros_like()
+            for j in zs:
+                cross = cross + float(similarity[i, j]) * (soft_masks[task] * same_task[tasks[j]])
+            if self.combine == "sum" or not zs:
+                out[task] = same_task[task] + cross
+            elif self.combine == "mean":
+                out[task] = 0.5 * (same_task[task] + cross)
+            else:  # s_normalized: a similarity-weighted mean in which t weighs S(t, t) = 1
+                out[task] = (1.0 / (1.0 + sum(float(similarity[i, j]) for j in zs))) * (same_task[task] + cross)
+        return out
