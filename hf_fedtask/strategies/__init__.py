@@ -1,6 +1,14 @@
 """Federated strategies, each a pair (client_update, server_aggregate); see `base.py`."""
 
-from .base import STRATEGIES, ClientJob, GlobalState, Strategy, build_strategy, head_name, register_strategy
+from .base import (
+    STRATEGIES,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    build_strategy,
+    head_name,
+    register_strategy,
+)
 from .fedavg import FedAvg, FedProx
 from .matu import MaTU
 

@@ -14,7 +14,15 @@ from ..client import LocalTrainer
 from ..merge import weighted_average
 from ..taskvector import TaskVector
 from ..update import ClientUpdate
-from .base import SHARED, ClientJob, GlobalState, Strategy, average_heads, head_name, register_strategy
+from .base import (
+    SHARED,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    average_heads,
+    head_name,
+    register_strategy,
+)
 
 
 @register_strategy

@@ -34,7 +34,15 @@ from ..merge.bitmask import pack_bits, packed_size, unpack_bits
 from ..merge.unify import RESCALERS
 from ..taskvector import TaskVector
 from ..update import ClientUpdate
-from .base import SHARED, ClientJob, GlobalState, Strategy, average_heads, head_name, register_strategy
+from .base import (
+    SHARED,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    average_heads,
+    head_name,
+    register_strategy,
+)
 
 UNIFIED = "unified"
 MASKS = "masks"
