@@ -64,6 +64,9 @@ class RunConfig:
     combine: str = "s_normalized"  # sum | mean | s_normalized
     rescaler: str = "global_sum"  # global_sum | per_tensor_mean
     include_self: bool = False
+    # baselines
+    personal_blocks: int = 1  # FedPer: last transformer blocks kept on the client (with the heads)
+    group_size: int = 3  # MaT-FL-style: peers (self included) each client aggregates with
     # bookkeeping
     eval_batch_size: int = 128
     seed: int = 0

@@ -30,7 +30,7 @@ from .errors import OutputDirError
 from .evaluation import evaluate
 from .reference import shipped_reference
 from .strategies import ClientJob, GlobalState, Strategy, build_strategy
-from .strategies.base import SHARED, ClientStore
+from .strategies.base import SHARED, ClientStore, head_name
 from .taskvector import TaskVector, peft_config_hash
 from .update import ClientUpdate, pack_vectors, unpack_vectors
 
@@ -130,10 +130,12 @@ class Simulation:
             {name: self.host.tokenize(ds, by_name[name]) for name, ds in client.items()} for client in federation
         ]
         self.test_data = {t.name: self.host.tokenize(t.dataset["test"], t) for t in self.tasks}
-        self.origin = self.host.initial_shared()  # before any training: the seeded PEFT init θ_p
         self.client_stores: dict[int, ClientStore] = {cid: {} for cid in range(len(self.client_data))}
         self.payload_dir: Path | None = None  # set to keep each round's wire bytes on disk
         self.trainer = build_trainer(self.host, config)
+        initial = self.initial_state()  # before any training: the seeded PEFT init θ_p and heads
+        self.origin = initial.vectors[SHARED]
+        self.initial_heads = {t.name: initial.vectors[head_name(t.name)] for t in self.tasks}
 
     @property
     def allocation(self) -> dict[int, list[str]]:
@@ -180,7 +182,7 @@ class Simulation:
             sent = pack_vectors(self.strategy.downlink(state, cid, tasks)).to_bytes()
             downlink = unpack_vectors(TaskVector.from_bytes(sent, source=f"downlink to client {cid}"))
             job = ClientJob(client_id=cid, round=round_, data=self.client_data[cid], seed=self.config.seed,
-                            origin=self.origin, store=self.client_stores[cid])
+                            origin=self.origin, initial_heads=self.initial_heads, store=self.client_stores[cid])
             payload = self.strategy.client_update(downlink, job, self.trainer).to_bytes(**header)
             traffic[cid] = {"uplink": len(payload), "downlink": len(sent)}
             if self.payload_dir is not None:

@@ -10,14 +10,18 @@ from .base import (
     register_strategy,
 )
 from .fedavg import FedAvg, FedProx
+from .fedper import FedPer
+from .matfl import MaTFL
 from .matu import MaTU
 
 __all__ = [
     "STRATEGIES",
     "ClientJob",
     "FedAvg",
+    "FedPer",
     "FedProx",
     "GlobalState",
+    "MaTFL",
     "MaTU",
     "Strategy",
     "build_strategy",

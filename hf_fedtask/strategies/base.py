@@ -63,14 +63,15 @@ client and checkpoints it; the server never reads it."""
 @dataclass
 class ClientJob:
     """What one client works on in one round: its tokenized train data per task, a seed, the seeded
-    PEFT init every task vector is measured from (rebuilt by clients from the broadcast seed), and
-    the client's private store."""
+    PEFT init every task vector is measured from and each task's initial head (both rebuilt by
+    clients from the broadcast seed), and the client's private store."""
 
     client_id: int
     round: int
     data: dict[str, Dataset]
     seed: int
     origin: TaskVector | None = None
+    initial_heads: dict[str, TaskVector] = field(default_factory=dict)
     store: ClientStore = field(default_factory=dict)
 
     def seed_for(self, task: str) -> int:

@@ -1,0 +1,86 @@
+"""FedPer (Arivazhagan et al., 2019): the last transformer block(s) and the classification heads are
+personal — they stay on the client (in its private store) and never travel; the rest of the PEFT
+modules are averaged as in FedAvg.
+
+Evaluating and exporting one adapter per task needs one set of personal layers per task: we use
+the mean of the personal layers of the clients that hold the task (each client's own model is the
+one it trains; this mean is what a task-level table can report). Holders that have not trained yet
+contribute the seeded init.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..client import LocalTrainer
+from ..errors import ConfigError
+from ..merge import weighted_average
+from ..taskvector import TaskVector
+from ..update import ClientUpdate
+from .base import SHARED, ClientJob, GlobalState, Strategy, head_name, register_strategy
+from .fedavg import train_tasks_in_turn
+
+PERSONAL = "personal"
+_BLOCK_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def last_block_keys(keys: list[str], blocks: int) -> list[str]:
+    """The keys inside the last `blocks` numbered blocks (e.g. `encoder.layer.5.`), by the first
+    integer path component of each key."""
+    indices = {k: int(m.group(1)) for k in keys if (m := _BLOCK_INDEX.search(k))}
+    if not indices:
+        raise ConfigError("config: fedper needs PEFT modules inside numbered transformer blocks (e.g. LoRA); "
+                          "this PEFT method has none")
+    last = max(indices.values())
+    return [k for k, i in indices.items() if i > last - blocks]
+
+
+@register_strategy
+@dataclass
+class FedPer(Strategy):
+    name = "fedper"
+    paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818, 2019"
+
+    personal_blocks: int = 1
+    server_lr: float = 1.0
+
+    def init_state(self, host, tasks, seed, allocation) -> GlobalState:
+        state = super().init_state(host, tasks, seed, allocation)
+        state.scalars["personal_keys"] = last_block_keys(list(state.vectors[SHARED]), self.personal_blocks)
+        return state
+
+    def _split(self, state: GlobalState, tv: TaskVector) -> tuple[TaskVector, TaskVector]:
+        personal = set(state.scalars["personal_keys"])
+        return tv.filter(lambda k: k not in personal), tv.filter(lambda k: k in personal)
+
+    def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        return {SHARED: self._split(state, state.vectors[SHARED])[0]}
+
+    def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
+        personal = job.store.get(PERSONAL) or job.origin.filter(lambda k: k not in downlink[SHARED])
+        local = {SHARED: TaskVector({**downlink[SHARED], **personal})}
+        local.update({head_name(t): job.store.get(head_name(t)) or job.initial_heads[t] for t in job.tasks})
+        shared, heads, metrics = train_tasks_in_turn(local, job, trainer)
+        job.store[PERSONAL] = shared.filter(lambda k: k in personal)
+        job.store.update({head_name(t): h for t, h in heads.items()})
+        update = {SHARED: shared.filter(lambda k: k in downlink[SHARED]) - downlink[SHARED]}
+        return ClientUpdate(job.client_id, job.round, update, job.num_samples(), metrics)
+
+    def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        global_part, personal_init = self._split(state, state.vectors[SHARED])
+        vectors = dict(state.vectors)
+        vectors[SHARED] = TaskVector({**(global_part + self.server_lr * mean), **personal_init})
+        return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+
+    def task_parameters(self, state, task, stores=None) -> TaskVector:
+        global_part, personal_init = self._split(state, state.vectors[SHARED])
+        stores = stores or {}
+        trained = [stores[c] for c in state.holders(task) if head_name(task) in stores.get(c, {})]
+        if not trained:
+            return TaskVector({**global_part, **personal_init, **state.vectors[head_name(task)]})
+        personal = weighted_average((s[PERSONAL] for s in trained), [1.0] * len(trained))
+        head = weighted_average((s[head_name(task)] for s in trained), [1.0] * len(trained))
+        merged = {**global_part, **personal}
+        return TaskVector({**{k: merged[k] for k in state.vectors[SHARED]}, **head})

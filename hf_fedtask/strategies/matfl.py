@@ -1,0 +1,69 @@
+"""A MaT-FL-style grouped aggregation (after Cai et al., "Many-Task Federated Learning: A New
+Problem Setting and a Simple Baseline", CVPRW 2023).
+
+Our reading: every client keeps its own model on the server (the cost MaTU removes). Each round the
+server measures the cosine similarity of the participants' updates (changes of the shared PEFT
+modules) and moves each participant's model by the sample-weighted mean of the updates of its
+`group_size` most similar participants, itself included — a dynamic grouping by update similarity.
+Task heads are averaged per task over their holders as in FedAvg. A task's evaluated and exported
+model uses the mean of its holders' models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..merge import weighted_average
+from ..taskvector import TaskVector
+from ..update import ClientUpdate
+from .base import SHARED, GlobalState, average_heads, head_name, register_strategy
+from .fedavg import FedAvg
+
+
+def model_name(client_id: int) -> str:
+    return f"model/{client_id}"
+
+
+def cosine_similarity_matrix(vectors: list[TaskVector]) -> torch.Tensor:
+    flat = torch.stack([v.flatten().double() for v in vectors])
+    flat = flat / flat.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    return flat @ flat.T
+
+
+@register_strategy
+@dataclass
+class MaTFL(FedAvg):
+    name = "matfl"
+    paper = "Cai et al., Many-Task Federated Learning: A New Problem Setting and a Simple Baseline, CVPRW 2023"
+
+    group_size: int = 3
+
+    def check(self) -> None:
+        if self.group_size < 1:
+            raise ConfigError(f"config: group_size must be >= 1, got {self.group_size}")
+
+    def init_state(self, host, tasks, seed, allocation) -> GlobalState:
+        state = super().init_state(host, tasks, seed, allocation)
+        state.vectors.update({model_name(c): state.vectors[SHARED] for c in allocation})
+        return state
+
+    def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        return {SHARED: state.vectors[model_name(client_id)], **{head_name(t): state.vectors[head_name(t)] for t in tasks}}
+
+    def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        similarity = cosine_similarity_matrix([u.vectors[SHARED] for u in updates])
+        vectors = dict(state.vectors)
+        for i, u in enumerate(updates):
+            group = torch.argsort(similarity[i], descending=True, stable=True)[: self.group_size].tolist()
+            mean = weighted_average((updates[j].vectors[SHARED] for j in group), (updates[j].total_samples for j in group))
+            vectors[model_name(u.client_id)] = state.vectors[model_name(u.client_id)] + self.server_lr * mean
+        vectors.update(average_heads(state, updates, self.server_lr))
+        return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+
+    def task_parameters(self, state, task, stores=None) -> TaskVector:
+        holders = state.holders(task)
+        shared = weighted_average((state.vectors[model_name(c)] for c in holders), [1.0] * len(holders))
+        return TaskVector({**shared, **state.vectors[head_name(task)]})

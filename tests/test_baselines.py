@@ -1,0 +1,86 @@
+"""The MaTU tables' baselines: FedPer (personal layers stay on clients) and the MaT-FL-style grouped
+aggregation (each client moves by the mean update of its most similar peers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_fedtask import federation
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.strategies import build_strategy
+from hf_fedtask.strategies.base import SHARED, head_name
+from hf_fedtask.strategies.fedper import PERSONAL, last_block_keys
+from hf_fedtask.strategies.matfl import model_name
+from hf_fedtask.taskvector import TaskVector
+from hf_fedtask.update import ClientUpdate
+
+
+def test_last_block_keys_picks_the_highest_numbered_blocks():
+    keys = [f"base.encoder.layer.{i}.attention.query.lora_A.weight" for i in range(12)] + ["base.pooler.lora_A.weight"]
+    assert last_block_keys(keys, 1) == [keys[11]]
+    assert last_block_keys(keys, 2) == keys[10:12]
+    with pytest.raises(ConfigError, match="numbered transformer blocks"):
+        last_block_keys(["prompt_embeddings"], 1)
+
+
+def test_fedper_personal_layers_and_heads_never_travel_and_survive_resume(tiny_config):
+    tiny_config.strategy = "fedper"
+    tiny_config.save_payloads = True
+    tiny_config.rounds = 1
+    federation.run(tiny_config)
+    sim = federation.Simulation(tiny_config)
+    personal = set(last_block_keys(sim.host.shared_keys, 1))
+    payloads = sorted((Path(tiny_config.output_dir) / "payloads" / "round_1").glob("*.safetensors"))
+    assert payloads
+    for path in payloads:
+        keys = [k.partition("::")[2] for k in load_file(path)]
+        assert not personal & set(keys) and not any(k in sim.host.head_keys for k in keys), path.name
+    tiny_config.rounds = 2
+    federation.run(tiny_config, resume=True)  # the stores come back from the checkpoint
+    from hf_fedtask.checkpoint import load_checkpoint
+
+    state, _, stores = load_checkpoint(Path(tiny_config.output_dir), fingerprint=tiny_config.fingerprint(),
+                                       template=sim.initial_state())
+    assert state.round == 2 and set(stores) == set(range(4))
+    for cid, store in stores.items():
+        assert set(store[PERSONAL]) == personal
+        assert {head_name(t) for t in state.allocation[cid]} <= set(store)
+        # each client's personal layers moved away from the seeded init, on its own
+        assert (store[PERSONAL] - sim.origin.filter(lambda k: k in personal)).norm() > 0
+
+
+def test_matfl_moves_each_client_by_its_groups_mean_update():
+    strategy = build_strategy("matfl", {"group_size": 2})
+    init = TaskVector({"w": torch.zeros(3)})
+    host = SimpleNamespace(initial_shared=lambda: init,
+                           initial_head=lambda n, seed: TaskVector({"h": torch.zeros(2)}))
+    state = strategy.init_state(host, [SimpleNamespace(name="a", num_labels=2)], 0, {0: ["a"], 1: ["a"], 2: ["a"]})
+    deltas = [torch.tensor([1.0, 0, 0]), torch.tensor([0.9, 0.1, 0.2]), torch.tensor([0, 0, 1.0])]
+    samples = [10, 30, 20]
+    updates = [ClientUpdate(c, 1, {SHARED: TaskVector({"w": d}), head_name("a"): TaskVector({"h": torch.zeros(2)})},
+                            {"a": n}) for c, (d, n) in enumerate(zip(deltas, samples))]
+    new = strategy.server_aggregate(state, updates)
+    pair = (10 * deltas[0] + 30 * deltas[1]) / 40  # clients 0 and 1 are each other's nearest peer
+    torch.testing.assert_close(new.vectors[model_name(0)]["w"], pair)
+    torch.testing.assert_close(new.vectors[model_name(1)]["w"], pair)
+    nearest_to_2 = (20 * deltas[2] + 30 * deltas[1]) / 50  # cos(2,1) > cos(2,0) = 0
+    torch.testing.assert_close(new.vectors[model_name(2)]["w"], nearest_to_2)
+
+
+@pytest.mark.parametrize("strategy", ["fedper", "matfl"])
+def test_baseline_runs_end_to_end_with_partial_participation(tiny_config, strategy):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    tiny_config.strategy = strategy
+    tiny_config.participation = 0.5
+    tiny_config.zeta = 0.5
+    results = federation.run(tiny_config)
+    assert results["strategy"] == strategy and results["rounds"] == 2
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_config.base_model, num_labels=3)
+    PeftModel.from_pretrained(base, Path(tiny_config.output_dir) / "adapters" / "colors")
