@@ -148,10 +148,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=f.name, type=kind, default=None)
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    if values:
-        RunConfig.from_dict(values, source=args.config)  # validate keys before merging flags
+def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> RunConfig:
+    """`defaults` (e.g. a recipe's), then the `--config` YAML, then the flags the user typed."""
+    values = dict(defaults or {})
+    if getattr(args, "config", None):
+        given = load_yaml(args.config)
+        RunConfig.from_dict({**values, **given}, source=args.config)  # validate keys before merging flags
+        values.update(given)
     for f in dataclasses.fields(RunConfig):
         given = getattr(args, f.name, None)
         if given is not None:
