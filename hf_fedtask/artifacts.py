@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .compact import save_compact
 from .export import save_adapter
 from .hub import render_model_card
 
@@ -14,12 +15,15 @@ if TYPE_CHECKING:
     from .strategies import GlobalState
 
 ADAPTERS_DIR = "adapters"
+COMPACT_DIR = "compact"
 
 
-def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir: Path) -> list[Path]:
-    """`run_dir/adapters/<task>/`: a stock PEFT adapter (shared modules + the task's head) per task."""
+def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
+    """`run_dir/adapters/<task>/`: a stock PEFT adapter (shared modules + the task's head) per task.
+    Strategies with a compact form (MaTU) also get `run_dir/compact/` (one unified vector, T
+    bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned."""
     peft_config = sim.host.model.peft_config["default"]
-    folders = []
+    cards = {}
     metrics = {name: {k: v for k, v in r.items() if k == r["metric"]} for name, r in results["tasks"].items()}
     for task in sim.tasks:
         info = {
@@ -38,15 +42,35 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
             "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
             "extra_notes": f"Inputs are tokenized with truncation to {sim.config.max_length} tokens.",
         }
-        folder = save_adapter(
+        cards[task.name] = render_model_card(info)
+        save_adapter(
             run_dir / ADAPTERS_DIR / task.name,
             peft_config=peft_config,
             state_dict=sim.strategy.task_parameters(state, task.name, sim.client_stores),
             base_model_id=sim.base.model_id,
-            card=render_model_card(info),
+            card=cards[task.name],
         )
-        folders.append(folder)
-    return folders
+    compact_form = getattr(sim.strategy, "compact_form", None)
+    if compact_form is None:
+        return None
+    return save_compact(
+        run_dir / COMPACT_DIR,
+        peft_config=peft_config,
+        base_model_id=sim.base.model_id,
+        **compact_form(state),
+        label_names={t.name: t.label_names for t in sim.tasks},
+        card=_compact_card(sim, results),
+        overwrite=True,
+    )
+
+
+def _compact_card(sim: Simulation, results: dict) -> str:
+    rows = "\n".join(f"| {name} | {r[r['metric']]:.4f} |" for name, r in results["tasks"].items())
+    return (f"# {sim.strategy.name} compact export of {len(sim.tasks)} tasks\n\n"
+            f"Base model `{sim.base.model_id}`. Task t's adapter is θ_p + λ_t·(m_t ⊙ τ) plus its head:\n\n"
+            "```python\nfrom hf_fedtask import load_task_adapter\nmodel = load_task_adapter(\"<this folder>\", \"<task>\")\n```\n\n"
+            f"Total communication during training: {results['bytes_uplink'] + results['bytes_downlink']} bytes.\n\n"
+            f"| task | metric |\n|---|---|\n{rows}\n")
 
 
 def _training_hparams(sim: Simulation) -> dict:
@@ -67,6 +91,28 @@ def results_table(results: dict) -> str:
     rows.append(("mean", "", "", f"{results['mean_metric']:.4f}", mean_normalized, "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def run_report(config, results: dict) -> str:
+    """What a finished run prints: the table, communication, where everything is, how to push."""
+    out = Path(config.output_dir)
+    lines = [results_table(results), ""]
+    mb = (results["bytes_uplink"] + results["bytes_downlink"]) / 1e6
+    lines.append(f"communication: {results['bytes_uplink']:,} bytes up, {results['bytes_downlink']:,} bytes down "
+                 f"({mb:.2f} MB over {results['rounds']} rounds)")
+    lines.append(f"results: {out / 'results.json'}")
+    if (out / "accuracy_vs_round.png").exists():
+        lines.append(f"plot:    {out / 'accuracy_vs_round.png'}")
+    if config.export:
+        lines.append(f"adapters: {out / ADAPTERS_DIR}/<task>  (stock PeftModel.from_pretrained)")
+        storage = results.get("compact_storage")
+        if storage:
+            lines.append(f"compact: {out / COMPACT_DIR}  ({storage['compact_bytes']:,} bytes vs "
+                         f"{storage['separate_bytes']:,} for {storage['tasks']} separate adapters, "
+                         f"ratio {storage['ratio']:.3f}; hf_fedtask.load_task_adapter(dir, task))")
+        first = next(iter(results["tasks"]))
+        lines.append(f"push:    hf-fedtask push {out / ADAPTERS_DIR / first} --repo-id <you>/{results['strategy']}-{first}")
+    return "\n".join(lines)
 
 
 def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:

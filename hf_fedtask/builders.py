@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .backbone import resolve_base_model
+from .backbone import input_kind, resolve_base_model
 from .client import LocalTrainer, LocalTrainingArgs
 from .config import RunConfig
 from .host import PeftHost
@@ -10,7 +10,9 @@ from .peft_methods import make_peft_config
 
 
 def build_host(config: RunConfig) -> PeftHost:
-    """The one in-memory PEFT model a run uses, from the config's model keys."""
+    """The one in-memory PEFT model a run uses, from the config's model keys; the base model's
+    architecture decides the modality (text or image) and so the PEFT head settings."""
+    base = resolve_base_model(config.base_model, config.base_model_id)
     peft_config = make_peft_config(
         config.peft_method,
         r=config.lora_r,
@@ -18,8 +20,8 @@ def build_host(config: RunConfig) -> PeftHost:
         lora_dropout=config.lora_dropout,
         target_modules=config.target_modules,
         num_virtual_tokens=config.num_virtual_tokens,
+        modality=input_kind(base).modality,
     )
-    base = resolve_base_model(config.base_model, config.base_model_id)
     return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
 
 

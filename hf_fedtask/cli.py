@@ -1,4 +1,4 @@
-"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export.
+"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export, merge.
 
 Every failure on bad input is one line on stderr and a non-zero exit; nothing on disk is replaced."""
 
@@ -15,16 +15,12 @@ from .errors import FedTaskError
 
 
 def _run(args) -> int:
-    from .artifacts import results_table
+    from .artifacts import run_report
     from .federation import run
 
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)
-    print(results_table(results))
-    print(f"results: {os.path.join(config.output_dir, 'results.json')}")
-    if config.export:
-        print(f"adapters: {os.path.join(config.output_dir, 'adapters')}/<task>  "
-              f"(push one with: hf-fedtask push {config.output_dir}/adapters/<task> --repo-id <you>/<name>)")
+    print(run_report(config, results))
     return 0
 
 
@@ -36,7 +32,7 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from .artifacts import export_adapters
+    from .artifacts import ADAPTERS_DIR, export_adapters
     from .checkpoint import load_checkpoint
     from .config import RunConfig
     from .federation import RUN_CONFIG_FILE, Simulation, summarize_results
@@ -45,9 +41,11 @@ def _export(args) -> int:
     sim = Simulation(config)
     state, history, stores = load_checkpoint(args.run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
     sim.client_stores.update(stores)
-    folders = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
-    for folder in folders:
-        print(folder)
+    compact = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
+    for task in sim.tasks:
+        print(Path(args.run_dir) / ADAPTERS_DIR / task.name)
+    if compact is not None:
+        print(compact)
     return 0
 
 
@@ -72,6 +70,39 @@ def _suite_export(args) -> int:
     for path in export_suite(args.name, args.out_dir, seed=args.seed):
         print(path)
     return 0
+
+
+def _merge(args) -> int:
+    from .errors import ConfigError
+    from .merge_cli import merge_inputs
+
+    weights = None
+    if args.weights is not None:
+        try:
+            weights = [float(w) for w in args.weights.split(",")]
+        except ValueError:
+            raise ConfigError(f"--weights {args.weights!r}: expected comma-separated numbers, one per input") from None
+    out = merge_inputs(args.inputs, args.method, out=args.output, weights=weights, density=args.density,
+                       majority_sign=args.majority_sign, scope=args.scope, seed=args.seed,
+                       dare_variant=args.dare_variant, rescaler=args.rescaler, base_adapter=args.base_adapter,
+                       overwrite=args.overwrite)
+    if args.method == "unify":
+        from .compact import storage_report
+
+        report = storage_report(out)
+        print(f"compact export: {report['compact_bytes']} bytes vs {report['separate_bytes']} bytes for "
+              f"{report['tasks']} separate adapters (ratio {report['ratio']:.3f})")
+    print(out)
+    return 0
+
+
+MERGE_HELP = """\
+Task vectors are the inputs' saved PEFT tensors minus --base-adapter's (the shared PEFT init), or
+minus zero when it is not given: the raw tensors are then merged, as peft's add_weighted_adapter
+("linear", "ties", "dare_*") does; for LoRA, A and B are merged separately, so the merged B·A has
+cross terms. The output keeps the first input's adapter_config.json. Heads (modules_to_save) are
+merged when their shapes agree, else it is an error; unify keeps one head per input and writes the
+compact export (hf_fedtask.load_task_adapter) plus each input's adapter under OUT/<name>/."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=_push)
+
+    p = sub.add_parser("merge", help="merge PEFT adapters or task vectors of one base into one adapter (one-shot)",
+                       description=MERGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", help="PEFT adapter folders or task-vector .safetensors files")
+    p.add_argument("-o", "--output", required=True, help="output adapter folder")
+    p.add_argument("--method", required=True, choices=("task_arithmetic", "ties", "dare", "unify"))
+    p.add_argument("--weights", default=None, help="comma-separated, one per input (default 1 each); write --weights=-1,2 when the first is negative")
+    p.add_argument("--density", type=float, default=None, help="fraction kept: ties (default 0.2) and dare (default 0.5)")
+    p.add_argument("--majority-sign", choices=("total", "frequency"), default="total", help="ties and dare ties")
+    p.add_argument("--scope", choices=("tensor", "model"), default="tensor", help="ties trimming: per tensor or whole vector")
+    p.add_argument("--seed", type=int, default=0, help="dare's random drop")
+    p.add_argument("--dare-variant", choices=("linear", "ties"), default="linear")
+    p.add_argument("--rescaler", choices=("global_sum", "per_tensor_mean"), default="global_sum", help="unify's λ")
+    p.add_argument("--base-adapter", default=None, help="adapter folder holding the PEFT init the task vectors start from")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(func=_merge)
 
     p = sub.add_parser("suite", help="builtin task suites")
     suite_sub = p.add_subparsers(dest="suite_command", required=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
-from transformers import DataCollatorWithPadding, PrinterCallback, Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from .host import PeftHost
 from .taskvector import TaskVector
@@ -57,11 +57,11 @@ class LocalTrainer:
     def __init__(self, host: PeftHost, args: LocalTrainingArgs):
         self.host = host
         self.args = args
-        self.collator = DataCollatorWithPadding(host.tokenizer)
+        self.collator = host.inputs.collator  # pads token ids, stacks pixel_values
         self._scratch = tempfile.TemporaryDirectory(prefix="hf_fedtask_trainer_")
         # Trainer.train() ends in accelerate's free_memory(), a full gc.collect() over every object of
         # the process (~0.3 s with a model and datasets loaded) on each client call. The host model,
-        # tokenizer and data live as long as the run, so move them out of the collector's scans once.
+        # input preparer and data live as long as the run, so move them out of the collector's scans once.
         gc.collect()
         gc.freeze()
 

@@ -7,7 +7,6 @@ import torch
 from datasets import Dataset
 from sklearn.metrics import f1_score
 from torch.utils.data import DataLoader
-from transformers import DataCollatorWithPadding
 
 from .errors import ConfigError
 from .host import PeftHost
@@ -22,19 +21,18 @@ METRICS = {
 
 @torch.no_grad()
 def predict(host: PeftHost, state: TaskVector, data: Dataset, batch_size: int = 128) -> np.ndarray:
-    """Argmax predictions of the host model carrying `state` on tokenized `data`."""
+    """Argmax predictions of the host model carrying `state` on prepared `data` (`host.tokenize`)."""
     host.load_state(state)
     host.model.eval()
-    collate = DataCollatorWithPadding(host.tokenizer)
-    loader = DataLoader(data.remove_columns(["labels"]), batch_size=batch_size, collate_fn=collate)
-    preds = [host.model(**batch).logits.argmax(-1) for batch in loader]
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
+    preds = [host.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.argmax(-1) for batch in loader]
     return torch.cat(preds).numpy()
 
 
 def evaluate(host: PeftHost, state: TaskVector, data: Dataset, metric: str = "accuracy", batch_size: int = 128) -> dict:
-    """`{metric: value, "num_examples": n}` for tokenized `data` (which has a `labels` column)."""
+    """`{metric: value, "num_examples": n}` for prepared `data` (which has a `labels` column)."""
     if metric not in METRICS:
         raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     preds = predict(host, state, data, batch_size)
     labels = np.asarray(data["labels"])
-    return {metric: METRICS[metric](labels, preds), "num_examples": int(len(labels))}
+    return {metric: METRICS[metric](labels, preds), "num_examples": len(labels)}

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from .artifacts import export_adapters, plot_metric_vs_round
 from .builders import build_host, build_trainer
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from .compact import storage_report
 from .config import RunConfig
 from .data import build_federation, load_suite, load_task
 from .data.task import Task
@@ -254,11 +255,13 @@ def run(
             cb(RoundContext(r, state, record))
     tracker.close()
     results = summarize_results(sim, state, history)
-    write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     if history:
         plot_metric_vs_round(history, run_dir / PLOT_FILE, title=f"{sim.strategy.name} on {config.suite or 'tasks'}")
     if config.export:
-        export_adapters(sim, state, results, run_dir)
+        compact = export_adapters(sim, state, results, run_dir)
+        if compact is not None:
+            results["compact_storage"] = storage_report(compact)
+    write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results
 
 

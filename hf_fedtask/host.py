@@ -7,21 +7,25 @@ evaluated. Simulating 1,000 clients therefore costs 1,000 small tensor dicts, ne
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
-import datasets
 from datasets import Dataset
-from peft import PeftConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    PeftConfig,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
 from peft.utils import ModulesToSaveWrapper
 
-from .backbone import BaseModelRef, load_sequence_classifier, load_tokenizer
+from .backbone import BaseModelRef, load_classifier, load_inputs
 from .data.task import Task
+from .errors import ConfigError
 from .taskvector import TaskVector
 
 
 class PeftHost:
-    """The single in-memory PEFT model, its tokenizer, and the split of its trainable parameters
+    """The single in-memory PEFT model, its input preparer (`inputs`: tokenizer-based for text
+    models, image-processor-based for vision models), and the split of its trainable parameters
     into *shared* PEFT-module keys and *head* keys (the per-task classification head)."""
 
     def __init__(
@@ -35,10 +39,15 @@ class PeftHost:
     ):
         self.base = base
         self.peft_config = peft_config
-        self.max_length = max_length
-        self.tokenizer = load_tokenizer(base)
+        self.inputs = load_inputs(base, max_length)
+        if peft_config.task_type != self.inputs.peft_head.get("task_type"):
+            raise ConfigError(f"{base.model_id} takes {self.inputs.modality} inputs: build its PEFT config with "
+                              f"make_peft_config(..., modality={self.inputs.modality!r})")
         torch.manual_seed(seed)  # the PEFT init (e.g. LoRA A) is the shared, seeded starting point
-        self.model = get_peft_model(load_sequence_classifier(base, 2, attn_implementation), peft_config)
+        try:
+            self.model = get_peft_model(load_classifier(base, 2, attn_implementation), peft_config)
+        except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
+            raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model ({str(e).splitlines()[0]})") from e
         self._heads = [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
         if len(self._heads) != 1:
             raise ValueError(f"expected one classification head in modules_to_save, found {len(self._heads)}")
@@ -93,23 +102,9 @@ class PeftHost:
 
     # -- data --------------------------------------------------------------------------------
     def tokenize(self, dataset: Dataset, task: Task) -> Dataset:
-        """Token ids + `labels`, dropping every other column so Trainer and eval see model inputs only."""
-        tokenizer, max_length = self.tokenizer, self.max_length
-
-        def encode(batch):
-            enc = tokenizer(batch[task.text_column], truncation=True, max_length=max_length)
-            enc["labels"] = batch[task.label_column]
-            return enc
-
-        # An explicit fingerprint: otherwise `datasets` dill-hashes the tokenizer on every call (~1 s).
-        fingerprint = hashlib.sha256(
-            f"{dataset._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{task.text_column}".encode()
-        ).hexdigest()[:16]
-        was_enabled = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()  # hundreds of tiny maps: one bar each would drown the run's own
-        try:
-            return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
-                               new_fingerprint=fingerprint)
-        finally:
-            if was_enabled:
-                datasets.enable_progress_bars()
+        """Model inputs + `labels`, every other column dropped so Trainer and eval see model inputs
+        only: token ids for text tasks, `pixel_values` for image tasks (the name predates images)."""
+        if task.modality != self.inputs.modality:
+            raise ConfigError(f"task {task.name!r} has {task.modality} inputs but base model {self.base.model_id} "
+                              f"takes {self.inputs.modality}")
+        return self.inputs.prepare(dataset, task.text_column, task.label_column)

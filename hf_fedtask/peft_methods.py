@@ -3,8 +3,15 @@ export and validation agree on the exact module shapes."""
 
 from __future__ import annotations
 
-from peft import IA3Config, LoraConfig, PeftConfig, PrefixTuningConfig, PromptTuningConfig, TaskType
+from peft import (
+    IA3Config,
+    LoraConfig,
+    PeftConfig,
+    PrefixTuningConfig,
+    PromptTuningConfig,
+)
 
+from .backbone import INPUT_KINDS
 from .errors import ConfigError
 
 PEFT_METHODS = ("lora", "ia3", "prompt", "prefix")
@@ -18,17 +25,23 @@ def make_peft_config(
     lora_dropout: float = 0.0,
     target_modules: list[str] | None = None,
     num_virtual_tokens: int = 20,
+    modality: str = "text",
 ) -> PeftConfig:
-    """A SEQ_CLS PEFT config; the classification head joins `modules_to_save` automatically.
-    `target_modules=None` takes PEFT's per-architecture defaults (query/value for BERT)."""
+    """A PEFT config whose `modules_to_save` holds the classification head: text models use PEFT's
+    SEQ_CLS task type (which adds the head itself), image models name their `classifier` explicitly.
+    `target_modules=None` takes PEFT's per-architecture defaults (query/value for BERT); PEFT has
+    none for ViT, whose query/value projections transformers 5 names q_proj/v_proj."""
+    if modality not in INPUT_KINDS:
+        raise ConfigError(f"unknown modality {modality!r}; choose one of {', '.join(INPUT_KINDS)}")
+    head = INPUT_KINDS[modality].peft_head
     if method == "lora":
-        return LoraConfig(
-            task_type=TaskType.SEQ_CLS, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules
-        )
+        return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules, **head)
     if method == "ia3":
-        return IA3Config(task_type=TaskType.SEQ_CLS, target_modules=target_modules)
+        return IA3Config(target_modules=target_modules, **head)
+    if method in ("prompt", "prefix") and modality != "text":
+        raise ConfigError(f"peft_method {method!r} prepends virtual tokens and needs a text model; use lora or ia3")
     if method == "prompt":
-        return PromptTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=num_virtual_tokens)
+        return PromptTuningConfig(num_virtual_tokens=num_virtual_tokens, **head)
     if method == "prefix":
-        return PrefixTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=num_virtual_tokens)
+        return PrefixTuningConfig(num_virtual_tokens=num_virtual_tokens, **head)
     raise ConfigError(f"unknown peft_method {method!r}; choose one of {', '.join(PEFT_METHODS)}")

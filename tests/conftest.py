@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, a tiny random BERT with the MiniLM tokenizer, tiny tasks."""
+"""Shared fixtures: offline environment, a tiny random BERT with the MiniLM tokenizer, tiny tasks, and
+their image counterparts: a tiny random ViT with its image processor and synthetic image tasks."""
 
 import os
 
@@ -18,6 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 TINY_MODEL_ID = "hf-fedtask-tests/tiny-bert"
+TINY_VIT_ID = "hf-fedtask-tests/tiny-vit"
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +62,56 @@ def tiny_tasks_dir(tmp_path_factory):
         DatasetDict({"train": make(48, 0), "test": make(18, 1000)}).save_to_disk(out / name)
         paths.append(str(out / name))
     return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_vit_dir(tmp_path_factory):
+    """A random 2-layer ViT (32x32 images, 8x8 patches, hidden 32) and a 32x32 ViT image processor."""
+    from transformers import ViTConfig, ViTImageProcessorPil, ViTModel
+
+    out = tmp_path_factory.mktemp("tiny-vit")
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=37)
+    ViTModel(config, add_pooling_layer=False).save_pretrained(out)
+    # the PIL backend needs no torchvision; its saved config loads as a ViTImageProcessor either way
+    ViTImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_image_tasks_dir(tmp_path_factory):
+    """Two synthetic image tasks saved with save_to_disk, both learnable from pixel colour/brightness:
+    `squares`: 3-way colour of a square on a noisy 24x24 RGB background, columns image/label, train+test;
+    `shades`: 2-way dark vs bright 20x20 grayscale noise, columns img/labels (str), train only."""
+    import numpy as np
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+    from PIL import Image as PILImage
+
+    out = tmp_path_factory.mktemp("tiny-image-tasks")
+    rng = np.random.default_rng(0)
+    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+
+    def square(c):
+        pixels = rng.integers(0, 90, (24, 24, 3), dtype=np.uint8)
+        y, x = rng.integers(0, 10, 2)
+        pixels[y : y + 14, x : x + 14] = list(colours.values())[c]
+        return PILImage.fromarray(pixels, mode="RGB")
+
+    feats = Features({"image": Image(), "label": ClassLabel(names=list(colours))})
+    squares = {split: Dataset.from_dict({"image": [square(i % 3) for i in range(n)], "label": [i % 3 for i in range(n)]},
+                                        features=feats) for split, n in (("train", 48), ("test", 18))}
+    DatasetDict(squares).save_to_disk(out / "squares")
+
+    def shade(c):
+        low = 0 if c == 0 else 150
+        return PILImage.fromarray(rng.integers(low, low + 100, (20, 20), dtype=np.uint8), mode="L")
+
+    names = ["dark", "bright"]
+    shades = Dataset.from_dict({"img": [shade(i % 2) for i in range(60)], "labels": [names[i % 2] for i in range(60)]},
+                               features=Features({"img": Image(), "labels": Value("string")}))
+    shades.save_to_disk(out / "shades")
+    return [str(out / "squares"), str(out / "shades")]
 
 
 @pytest.fixture

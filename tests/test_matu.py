@@ -213,8 +213,20 @@ def test_matu_runs_end_to_end_and_exports_adapters(matu_config):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
+    from transformers import AutoTokenizer
+
+    from hf_fedtask import load_task_adapter
+
     results = federation.run(matu_config)
     assert results["strategy"] == "matu" and results["rounds"] == 2
-    adapter = Path(matu_config.output_dir) / "adapters" / "colors"
+    run_dir = Path(matu_config.output_dir)
     base = AutoModelForSequenceClassification.from_pretrained(matu_config.base_model, num_labels=3)
-    PeftModel.from_pretrained(base, adapter)
+    stock = PeftModel.from_pretrained(base, run_dir / "adapters" / "colors").eval()
+    compact = load_task_adapter(run_dir / "compact", "colors", base_model=matu_config.base_model)
+    batch = AutoTokenizer.from_pretrained(matu_config.base_model)(["red apple 3", "blue sky 4"], padding=True,
+                                                                  return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(stock(**batch).logits, compact(**batch).logits)
+    storage = results["compact_storage"]  # 2 tasks: no saving yet (θ_p and τ cost two adapters)
+    on_disk = sum(p.stat().st_size for p in (run_dir / "compact").iterdir() if p.is_file() and p.name != "README.md")
+    assert storage["tasks"] == 2 and storage["compact_bytes"] == on_disk

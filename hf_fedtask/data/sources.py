@@ -1,16 +1,26 @@
 """`load_task`: turn a task reference (builtin name, save_to_disk folder, csv/json/jsonl/parquet file, or
-Hub dataset id) into a `Task` with train/test splits, a text column and a ClassLabel label column."""
+Hub dataset id) into a `Task` with train/test splits, an input column (text or `Image`) and a
+ClassLabel label column."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from datasets import ClassLabel, Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets import (
+    ClassLabel,
+    Dataset,
+    DatasetDict,
+    Features,
+    Image,
+    load_dataset,
+    load_from_disk,
+)
 
 from ..errors import DataError
 from .builtin import BUILTIN_TASKS, load_builtin_task
 from .task import Task
 
+IMAGE_COLUMNS = ("image", "img")
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "document", "tweet", "utterance", "question")
 LABEL_COLUMNS = ("label", "labels", "class")
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -26,13 +36,19 @@ def load_task(
     cache_dir=None,
 ) -> Task:
     """Resolve `ref`, in this order: builtin task name (or `builtin:<name>`); local save_to_disk folder
-    (DatasetDict with train[/test], or a Dataset); local csv/json/jsonl/parquet file; Hub dataset id.
+    (DatasetDict with train[/test], or a Dataset); local csv/json/jsonl/parquet file; Hub dataset id,
+    optionally `repo_id:config_name` for a dataset with configs (task name `<repo name>_<config>`).
     A missing test split is made by a seeded, label-stratified `test_size` split of train. Labels that
-    are not a ClassLabel become one, with the sorted distinct values as names."""
+    are not a ClassLabel become one, with the sorted distinct values as names.
+
+    Columns, unless given: the input is an `Image` feature column if there is one (`image`, then
+    `img`, then the first), which makes an image task, else the first of TEXT_COLUMNS (a text task);
+    `text_column=` names the input column of either kind. The label is the first of LABEL_COLUMNS."""
     ref = str(ref)
     if ref.startswith("builtin:") or ref in BUILTIN_TASKS:
         return load_builtin_task(ref.removeprefix("builtin:"), seed=seed, cache_dir=cache_dir)
     path = Path(ref).expanduser()
+    name = path.stem
     if path.is_dir():
         data, kind = _load_dir(path), "local save_to_disk folder"
     elif path.suffix.lower() in FILE_FORMATS:
@@ -41,24 +57,25 @@ def load_task(
         data = load_dataset(FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
         kind = f"local {path.suffix.lower().lstrip('.')} file"
     else:
+        repo_id, _, config_name = ref.partition(":")
         try:
-            data = load_dataset(ref, cache_dir=cache_dir)
+            data = load_dataset(repo_id, config_name or None, cache_dir=cache_dir)
         except Exception as e:  # offline, unknown id, gated, network: all reported the same way
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DataError(
                 f"{ref}: not a builtin task, local folder or file, and not loadable from the Hub ({reason})"
             ) from e
         kind = "Hub dataset"
+        name = "_".join(filter(None, [repo_id.rstrip("/").split("/")[-1], config_name]))
     if isinstance(data, Dataset):
         data = DatasetDict({"train": data})
     if "train" not in data:
         raise DataError(f"{ref}: no 'train' split (splits: {', '.join(data)})")
-    columns = data["train"].column_names
-    text_col = _pick_column(ref, columns, text_column, TEXT_COLUMNS, "text")
-    label_col = _pick_column(ref, columns, label_column, LABEL_COLUMNS, "label")
+    features = data["train"].features
+    text_col = _pick_input(ref, features, text_column)
+    label_col = _pick_column(ref, list(features), label_column, LABEL_COLUMNS, "label")
     data = _encode_labels(data, label_col)
     data = _ensure_test(ref, data, label_col, seed, test_size)
-    name = path.stem if kind.startswith("local") else ref.rstrip("/").split("/")[-1]
     return Task(
         name=name,
         dataset=DatasetDict({"train": data["train"], "test": data["test"]}),
@@ -76,7 +93,16 @@ def _load_dir(path: Path) -> DatasetDict | Dataset:
         raise DataError(f"{path}: not a folder written by save_to_disk ({e})") from e
 
 
-def _pick_column(ref: str, columns: list[str], explicit: str | None, candidates: tuple[str, ...], what: str) -> str:
+def _pick_input(ref: str, features: Features, explicit: str | None) -> str:
+    """The input column by the rule in `load_task`'s docstring."""
+    images = [c for c, f in features.items() if isinstance(f, Image)]
+    if explicit is None and images:
+        return next((c for c in IMAGE_COLUMNS if c in images), images[0])
+    return _pick_column(ref, list(features), explicit, TEXT_COLUMNS, "input", flag="text", looked_for="an Image column, ")
+
+
+def _pick_column(ref: str, columns: list[str], explicit: str | None, candidates: tuple[str, ...], what: str, *,
+                 flag: str | None = None, looked_for: str = "") -> str:
     if explicit is not None:
         if explicit not in columns:
             raise DataError(f"{ref}: {what} column {explicit!r} not found; columns are {', '.join(columns)}")
@@ -84,8 +110,8 @@ def _pick_column(ref: str, columns: list[str], explicit: str | None, candidates:
     for c in candidates:
         if c in columns:
             return c
-    raise DataError(f"{ref}: no {what} column found (looked for {', '.join(candidates)}); "
-                    f"pass {what}_column= one of {', '.join(columns)}")
+    raise DataError(f"{ref}: no {what} column found (looked for {looked_for}{', '.join(candidates)}); "
+                    f"pass {flag or what}_column= one of {', '.join(columns)}")
 
 
 def _encode_labels(data: DatasetDict, label_col: str) -> DatasetDict:
@@ -99,7 +125,8 @@ def _encode_labels(data: DatasetDict, label_col: str) -> DatasetDict:
     index = {v: i for i, v in enumerate(values)}
     label = ClassLabel(names=[str(v) for v in values])
     return DatasetDict({
-        name: split.map(lambda b: {label_col: [index[v] for v in b[label_col]]}, batched=True)
+        # input_columns: only the labels are read, so image columns are never decoded here
+        name: split.map(lambda b: {label_col: [index[v] for v in b]}, batched=True, input_columns=label_col)
         .cast_column(label_col, label)
         for name, split in data.items()
     })

@@ -1,15 +1,19 @@
-"""A task: a `datasets.DatasetDict` with train/test splits, a text column, a ClassLabel label column
-and a metric. This is the unit every partitioner, client and evaluator works with."""
+"""A task: a `datasets.DatasetDict` with train/test splits, an input column (text, or a datasets
+`Image` for image tasks), a ClassLabel label column and a metric. This is the unit every
+partitioner, client and evaluator works with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from datasets import ClassLabel, DatasetDict
+from datasets import ClassLabel, DatasetDict, Image
 
 
 @dataclass
 class Task:
+    """`text_column` names the input column whatever the modality: a string column makes a text
+    task, an `Image` column an image task (the field name predates image tasks)."""
+
     name: str
     dataset: DatasetDict
     text_column: str = "text"
@@ -29,6 +33,11 @@ class Task:
                 raise ValueError(f"task {self.name!r}: missing column {col!r}")
         if not isinstance(features[self.label_column], ClassLabel):
             raise ValueError(f"task {self.name!r}: label column {self.label_column!r} must be a ClassLabel")
+
+    @property
+    def modality(self) -> str:
+        """"image" when the input column is a datasets `Image` feature, else "text"."""
+        return "image" if isinstance(self.dataset["train"].features[self.text_column], Image) else "text"
 
     @property
     def label_names(self) -> list[str]:

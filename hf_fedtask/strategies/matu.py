@@ -132,6 +132,21 @@ class MaTU(Strategy):
     def exported_wire(self, state: GlobalState) -> dict[str, TaskVector]:
         return {name: state.vectors[EXPORT_PREFIX + name] for name in (UNIFIED, MASKS, RESCALERS_VECTOR)}
 
+    def compact_form(self, state: GlobalState) -> dict:
+        """The exported form as `hf_fedtask.compact.save_compact` arguments (bool masks per key)."""
+        origin = state.vectors[SHARED]
+        wire = self.exported_wire(state)
+        flat = wire[UNIFIED][FLAT_KEY]
+        shapes = {k: tuple(v.shape) for k, v in origin.items()}
+        tasks = list(wire[MASKS])
+        return {
+            "init": origin,
+            "unified": TaskVector.unflatten(flat, origin),
+            "masks": {t: TaskVector.unflatten(unpack_bits(wire[MASKS][t], flat.numel()), shapes) for t in tasks},
+            "rescalers": {t: float(wire[RESCALERS_VECTOR][t]) for t in tasks},
+            "heads": {t: state.vectors[head_name(t)] for t in tasks},
+        }
+
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         """θ_p + λ_t·(m_t ⊙ τ) from the all-task unification, plus the task's head."""
         origin = state.vectors[SHARED]
