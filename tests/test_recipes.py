@@ -1,0 +1,91 @@
+"""The recipes as a user runs them: the main job's outputs (table, plot, results, adapters, compact
+export, push command), the paper preset's image path on a tiny ViT, and the comparison tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+RECIPES = Path(__file__).parents[1] / "recipes"
+
+
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_flags(tiny_bert_dir, tiny_tasks_dir, out):
+    return ["--tasks", *tiny_tasks_dir, "--base-model", tiny_bert_dir, "--base-model-id", "hf-internal/tiny-bert",
+            "--num-clients", "4", "--rounds", "2", "--local-steps", "2", "--batch-size", "8", "--max-length", "16",
+            "--min-samples", "4", "--participation", "0.5", "--output-dir", str(out)]
+
+
+def test_main_job_prints_the_table_and_leaves_everything_a_user_needs(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    out = tmp_path / "matu30"
+    assert load_recipe("matu_30task").main(tiny_flags(tiny_bert_dir, tiny_tasks_dir, out)) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["strategy"] == "matu" and results["config"]["zeta"] == 0.2 and results["rounds"] == 2
+    for task, r in results["tasks"].items():
+        assert task in printed and f"{r['accuracy']:.4f}" in printed
+        assert (out / "adapters" / task / "adapter_model.safetensors").exists()
+    assert (out / "accuracy_vs_round.png").stat().st_size > 1000
+    assert (out / "compact" / "masks.safetensors").exists()
+    assert f"hf-fedtask push {out / 'adapters'}" in printed
+    assert f"{results['bytes_uplink']:,} bytes up" in printed
+
+
+def test_main_job_bad_flag_is_one_line_and_writes_nothing(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    out = tmp_path / "bad"
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--combine", "average"]
+    assert load_recipe("matu_30task").main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "combine" in err[0]
+    assert not out.exists()
+
+
+def test_paper_preset_runs_the_image_path_on_a_tiny_vit(tiny_vit_dir, tiny_image_tasks_dir, tmp_path):
+    """The preset's model keys (LoRA r=16 on q/v projections, MaTU) with a tiny random ViT and
+    synthetic images standing in for ViT-B/32 and the Hub datasets."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageClassification
+
+    out = tmp_path / "paper"
+    flags = ["--preset", "paper", "--tasks", *tiny_image_tasks_dir, "--base-model", tiny_vit_dir,
+             "--base-model-id", "hf-internal/tiny-vit", "--num-clients", "3", "--zeta", "0", "--rounds", "1",
+             "--local-steps", "2", "--batch-size", "8", "--min-samples", "4", "--output-dir", str(out)]
+    assert load_recipe("matu_30task").main(flags) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["lora_r"] == 16 and results["config"]["target_modules"] == ["q_proj", "v_proj"]
+    task = next(iter(results["tasks"]))
+    base = AutoModelForImageClassification.from_pretrained(tiny_vit_dir, num_labels=results["tasks"][task]["num_labels"])
+    PeftModel.from_pretrained(base, out / "adapters" / task)
+
+
+@pytest.mark.parametrize("preset", ["matu_vit_b32.yaml", "matu_vit_b32_8task.yaml"])
+def test_presets_are_the_paper_settings(preset):
+    from hf_fedtask.config import RunConfig
+
+    config = RunConfig.from_yaml(RECIPES / "presets" / preset)
+    assert config.strategy == "matu" and config.lora_r == 16 and config.num_clients == 30
+    assert config.base_model == "google/vit-base-patch32-224-in21k"
+    assert len(config.tasks) == (30 if preset == "matu_vit_b32.yaml" else 8)
+
+
+def test_comparison_recipe_writes_both_tables(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--strategies", "matu", "fedavg", "--rounds", "1"]
+    assert load_recipe("matu_8task").main(flags) == 0
+    rows = json.loads((out / "comparison.json").read_text())
+    assert set(rows) == {"single_task", "multi_task"}
+    for setting, table in rows.items():
+        assert [r["method"] for r in table] == ["matu", "fedavg"]  # no shipped reference for the tiny model
+        run = json.loads((out / setting / "matu" / "results.json").read_text())
+        assert table[0]["mean"] == run["mean_metric"]
+    md = (out / "comparison.md").read_text()
+    assert "Single-task clients" in md and "Multi-task clients" in md and (out / "comparison.png").exists()
