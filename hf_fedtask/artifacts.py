@@ -121,7 +121,6 @@ def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     rounds = [h["round"] for h in history]
