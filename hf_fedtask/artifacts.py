@@ -40,7 +40,10 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
             "num_clients": results["num_clients"],
             "participation": sim.config.participation,
             "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
-            "extra_notes": f"Inputs are tokenized with truncation to {sim.config.max_length} tokens.",
+            "modality": task.modality,
+            "extra_notes": (f"Inputs are tokenized with truncation to {sim.config.max_length} tokens."
+                            if task.modality == "text" else "Images are converted to RGB, then prepared by the "
+                            "base model's image processor."),
         }
         cards[task.name] = render_model_card(info)
         save_adapter(

@@ -38,9 +38,15 @@ INFO_KEYS = {
     "datasets": "Hub dataset id per task, {task: dataset_id}; tasks without one are listed by name.",
     "license": "License id, e.g. 'apache-2.0'.",
     "tags": "Extra tags for the Hub.",
+    "modality": "'text' (default) or 'image': sets the pipeline tag and the loading snippet.",
     "extra_notes": "Free Markdown appended as a Notes section.",
 }
-_BASE_TAGS = ["hf-fedtask", "federated-learning", "peft", "text-classification"]
+_BASE_TAGS = ["hf-fedtask", "federated-learning", "peft"]
+# per input modality: the pipeline tag and the classes of the card's loading snippet
+_MODALITIES = {
+    "text": ("text-classification", "AutoModelForSequenceClassification", "AutoTokenizer", "tokenizer"),
+    "image": ("image-classification", "AutoModelForImageClassification", "AutoImageProcessor", "processor"),
+}
 
 
 def _fmt(value) -> str:
@@ -106,10 +112,14 @@ def _card_context(info: Mapping) -> dict:
     strategy = info.get("strategy")
     repo_id = info.get("repo_id") or "<user>/<adapter-repo>"
     labels = info.get("label_names")
+    modality = info.get("modality", "text")
+    if modality not in _MODALITIES:
+        raise ValueError(f"model card info: modality must be one of {', '.join(_MODALITIES)}, got {modality!r}")
+    pipeline, auto_model, auto_processor, processor_name = _MODALITIES[modality]
 
     eval_results = [
         EvalResult(
-            task_type="text-classification",
+            task_type=pipeline,
             dataset_type=dataset_ids.get(task, task),
             dataset_name=task,
             metric_type=name,
@@ -118,11 +128,11 @@ def _card_context(info: Mapping) -> dict:
         for task, values in metrics.items()
         for name, value in values.items()
     ]
-    tags = _BASE_TAGS + [t.lower() for t in (strategy, peft_method) if t] + list(info.get("tags") or [])
+    tags = _BASE_TAGS + [pipeline] + [t.lower() for t in (strategy, peft_method) if t] + list(info.get("tags") or [])
     card_data = ModelCardData(
         base_model=info["base_model"],
         library_name="peft",
-        pipeline_tag="text-classification",
+        pipeline_tag=pipeline,
         license=info.get("license"),
         tags=tags,
         datasets=[dataset_ids.get(task, task) for task in tasks],
@@ -134,7 +144,7 @@ def _card_context(info: Mapping) -> dict:
     method = f"{peft_method} adapter" if peft_method else "PEFT adapter"
     summary = (
         f"A {method} for [`{info['base_model']}`](https://huggingface.co/{info['base_model']}) "
-        f"that classifies text into {num_labels} classes for the task{'s' if len(tasks) > 1 else ''} "
+        f"that classifies {'images' if modality == 'image' else 'text'} into {num_labels} classes for the task{'s' if len(tasks) > 1 else ''} "
         f"{', '.join(f'`{t}`' for t in tasks)}. It was trained by federated fine-tuning with "
         f"`hf_fedtask`{f' using the **{strategy}** strategy' if strategy else ''}: clients train the "
         "adapter on their private data and only the adapter weights travel to the server."
@@ -158,6 +168,9 @@ def _card_context(info: Mapping) -> dict:
         "hyperparameter_rows": [(name, _fmt(value)) for name, value in (info.get("hyperparameters") or {}).items()
                                 if value is not None],
         "extra_notes": info.get("extra_notes"),
+        "auto_model": auto_model,
+        "auto_processor": auto_processor,
+        "processor_name": processor_name,
     }
 
 

@@ -65,6 +65,8 @@ def test_paper_preset_runs_the_image_path_on_a_tiny_vit(tiny_vit_dir, tiny_image
     task = next(iter(results["tasks"]))
     base = AutoModelForImageClassification.from_pretrained(tiny_vit_dir, num_labels=results["tasks"][task]["num_labels"])
     PeftModel.from_pretrained(base, out / "adapters" / task)
+    card = (out / "adapters" / task / "README.md").read_text()
+    assert "pipeline_tag: image-classification" in card and "AutoModelForImageClassification" in card
 
 
 @pytest.mark.parametrize("preset", ["matu_vit_b32.yaml", "matu_vit_b32_8task.yaml"])
