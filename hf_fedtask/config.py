@@ -64,6 +64,7 @@ class RunConfig:
     combine: str = "s_normalized"  # sum | mean | s_normalized
     rescaler: str = "global_sum"  # global_sum | per_tensor_mean
     include_self: bool = False
+    wire_dtype: str = "float32"  # float32 | bfloat16 (the unified vector on the wire)
     # baselines
     personal_blocks: int = 1  # FedPer: last transformer blocks kept on the client (with the heads)
     group_size: int = 3  # MaT-FL-style: peers (self included) each client aggregates with

@@ -194,6 +194,18 @@ def test_uplink_bytes_meet_the_bound_and_match_the_files_on_disk(matu_config):
     assert record["bytes_uplink"] == sum(t["uplink"] for t in record["bytes_per_client"].values())
 
 
+def test_bfloat16_wire_halves_the_unified_vector_and_decodes_close():
+    gen = torch.Generator().manual_seed(4)
+    vectors = {t: random_tv(gen, {"w": (64, 64)}) for t in ("a", "b")}
+    f32, bf16 = encode_unified(vectors, "global_sum"), encode_unified(vectors, "global_sum", "bfloat16")
+    assert bf16[UNIFIED]["flat"].dtype == torch.bfloat16
+    size = lambda w: len(ClientUpdate(0, 1, w, {"a": 1, "b": 1}).to_bytes(  # noqa: E731
+        base_model="m", base_model_revision="r", peft_config_hash="h"))
+    assert size(f32) - size(bf16) == 2 * 64 * 64
+    torch.testing.assert_close(decode_task(bf16, "a", vectors["a"])["w"], decode_task(f32, "a", vectors["a"])["w"],
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_uplink_bytes_within_one_percent_of_the_formula_at_minilm_size():
     """d = 73,728 (MiniLM, LoRA r=8 on query/value): the header must stay under 1% of the payload."""
     gen = torch.Generator().manual_seed(3)

@@ -50,6 +50,7 @@ RESCALERS_VECTOR = "rescalers"
 EXPORT_PREFIX = "export/"
 COMBINE_RULES = ("sum", "mean", "s_normalized")
 FLAT_KEY = "flat"
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def task_vector_name(task: str) -> str:
@@ -57,15 +58,15 @@ def task_vector_name(task: str) -> str:
     return f"task/{task}"
 
 
-def encode_unified(vectors: dict[str, TaskVector], rescaler: str) -> dict[str, TaskVector]:
+def encode_unified(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "float32") -> dict[str, TaskVector]:
     """Unify task vectors (task -> τ^t, PEFT keys) into MaTU's wire form: the unified vector as one
-    flat float32 tensor, one bit-packed mask per task over the same flat layout, one float32
-    rescaler per task. Flat tensors keep the safetensors header to a few keys however many modules."""
+    flat tensor (float32, or bfloat16 on request), one bit-packed mask per task over the same flat
+    layout, one float32 rescaler per task. Flat tensors keep the safetensors header to a few keys."""
     tasks = list(vectors)
     u = unify([vectors[t] for t in tasks], rescaler=rescaler)
     flat = u.vector.flatten().float()
     return {
-        UNIFIED: TaskVector({FLAT_KEY: flat}),
+        UNIFIED: TaskVector({FLAT_KEY: flat.to(WIRE_DTYPES[dtype])}),
         MASKS: TaskVector({t: pack_bits(vectors[t].flatten() * flat > 0) for t in tasks}),  # m_t = 1[τ_t ⊙ τ > 0]
         RESCALERS_VECTOR: TaskVector({t: torch.tensor(u.rescalers[i], dtype=torch.float32) for i, t in enumerate(tasks)}),
     }
@@ -73,14 +74,14 @@ def encode_unified(vectors: dict[str, TaskVector], rescaler: str) -> dict[str, T
 
 def decode_task(wire: dict[str, TaskVector], task: str, like: TaskVector) -> TaskVector:
     """m^t ⊙ τ from the wire form, in the keys, shapes and dtypes of `like`."""
-    flat = wire[UNIFIED][FLAT_KEY]
+    flat = wire[UNIFIED][FLAT_KEY].float()
     return TaskVector.unflatten(flat * unpack_bits(wire[MASKS][task], flat.numel()), like)
 
 
-def wire_template(numel: int, tasks: list[str]) -> dict[str, TaskVector]:
+def wire_template(numel: int, tasks: list[str], dtype: str = "float32") -> dict[str, TaskVector]:
     """Keys, shapes and dtypes of the wire form for a client holding `tasks` (values are zeros)."""
     return {
-        UNIFIED: TaskVector({FLAT_KEY: torch.zeros(numel)}),
+        UNIFIED: TaskVector({FLAT_KEY: torch.zeros(numel, dtype=WIRE_DTYPES[dtype])}),
         MASKS: TaskVector({t: torch.zeros(packed_size(numel), dtype=torch.uint8) for t in tasks}),
         RESCALERS_VECTOR: TaskVector({t: torch.zeros(()) for t in tasks}),
     }
@@ -98,6 +99,7 @@ class MaTU(Strategy):
     combine: str = "s_normalized"  # Eq. 7: sum (literal) | mean | s_normalized
     rescaler: str = "global_sum"  # global_sum (the paper) | per_tensor_mean (EMR's code)
     include_self: bool = False  # whether t may be its own neighbour (S(t, t) = 1)
+    wire_dtype: str = "float32"  # dtype of the unified vector on the wire (bfloat16 halves it)
 
     def check(self) -> None:
         if self.combine not in COMBINE_RULES:
@@ -106,6 +108,8 @@ class MaTU(Strategy):
             raise ConfigError(f"config: rescaler must be one of {', '.join(RESCALERS)}, got {self.rescaler!r}")
         if not 0 <= self.rho <= 1:
             raise ConfigError(f"config: rho must be in [0, 1], got {self.rho}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"config: wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if self.kappa < 0:
             raise ConfigError(f"config: kappa must be >= 0, got {self.kappa}")
 
@@ -158,11 +162,12 @@ class MaTU(Strategy):
     # -- communication -----------------------------------------------------------------------------
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
         heads = {head_name(t): state.vectors[head_name(t)] for t in tasks}
-        return {**encode_unified(self._task_vectors(state, tasks), self.rescaler), **heads}
+        return {**encode_unified(self._task_vectors(state, tasks), self.rescaler, self.wire_dtype), **heads}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         numel = sum(t.numel() for t in state.vectors[SHARED].values())
-        return {**wire_template(numel, tasks), **{head_name(t): state.vectors[head_name(t)] for t in tasks}}
+        heads = {head_name(t): state.vectors[head_name(t)] for t in tasks}
+        return {**wire_template(numel, tasks, self.wire_dtype), **heads}
 
     # -- client ------------------------------------------------------------------------------------
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
@@ -176,7 +181,7 @@ class MaTU(Strategy):
             trained_vectors[task] = trained.filter(lambda k: k in origin) - origin
             head_deltas[head_name(task)] = trained.filter(lambda k: k not in origin) - downlink[head_name(task)]
             metrics[f"{task}/train_loss"] = m["train_loss"]
-        vectors = {**encode_unified(trained_vectors, self.rescaler), **head_deltas}
+        vectors = {**encode_unified(trained_vectors, self.rescaler, self.wire_dtype), **head_deltas}
         return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
 
     # -- server ------------------------------------------------------------------------------------
