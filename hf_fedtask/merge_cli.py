@@ -229,7 +229,7 @@ def _unify(inputs, base, config_file, config, head_keys, rescaler, out) -> Path:
     vectors = [shared(x.tensors) if x.delta else shared(x.tensors) - init for x in inputs]
     unified = merge.unify(vectors, rescaler=rescaler)
     # m_t where λ_t·(m_t ⊙ τ) is non-zero: the same task state, whatever layout Unified keeps masks in
-    masks = {x.name: unified.task_vector(t).apply(lambda v: v != 0) for t, x in enumerate(inputs)}
+    masks = {x.name: unified.mask(t) for t, x in enumerate(inputs)}
     heads = {x.name: TaskVector({k: x.tensors[k] + base.tensors[k] if x.delta else x.tensors[k] for k in head_keys})
              for x in inputs}
     base_model = config.get("base_model_name_or_path")

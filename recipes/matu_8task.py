@@ -26,7 +26,7 @@ DEFAULTS = {
     "suite": "builtin-8",
     "num_clients": 30,
     "participation": 0.2,
-    "rounds": 20,
+    "rounds": 15,
     "local_epochs": 1.0,
     "export": False,
     "output_dir": "runs/matu8",

@@ -2,7 +2,13 @@
 
 from .dare import dare_linear, dare_ties, random_prune
 from .linear import weighted_average
-from .ties import agreement_mask, magnitude_prune, sign_similarity, task_arithmetic, ties
+from .ties import (
+    agreement_mask,
+    magnitude_prune,
+    sign_similarity,
+    task_arithmetic,
+    ties,
+)
 from .unify import Unified, unify
 
 __all__ = [

@@ -1,6 +1,10 @@
 """DARE (Yu et al., 2024): drop each entry with probability 1−density and rescale survivors by
 1/density, then add (`dare_linear`) or TIES-merge (`dare_ties`). Seeded with a torch.Generator;
-the same seed gives peft's result when peft runs under `torch.manual_seed(seed)`."""
+the same seed gives peft's result when peft runs under `torch.manual_seed(seed)`.
+
+peft's per-parameter merges draw the masks key by key, task by task, so both functions work one key
+at a time in that order: `dare_linear` keeps a running sum (O(d) memory), `dare_ties` holds the N
+dropped tensors of one key (O(N·largest key)); neither holds N dropped vectors."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..taskvector import TaskVector
-from .ties import check_compatible, elect_and_merge, task_arithmetic
+from .ties import check_compatible, elect_and_merge
 
 
 def random_prune(tensor: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
@@ -21,23 +25,23 @@ def random_prune(tensor: torch.Tensor, density: float, generator: torch.Generato
     return pruned / density if rescale else pruned
 
 
-def _dropped(vectors: Sequence[TaskVector], density: float, seed: int) -> list[TaskVector]:
-    gen = torch.Generator().manual_seed(seed)
-    out: list[dict] = [{} for _ in vectors]
-    for key in vectors[0]:  # key-major order: the order in which per-parameter merges draw
-        for i, tv in enumerate(vectors):
-            out[i][key] = random_prune(tv[key], density, gen)
-    return [TaskVector(d) for d in out]
-
-
 def dare_linear(vectors: Sequence[TaskVector], weights: Sequence[float], density: float, seed: int = 0) -> TaskVector:
+    """Σ_t w_t·drop(τ_t), summed as `task_arithmetic` sums."""
     check_compatible(vectors, weights)
-    return task_arithmetic(_dropped(vectors, density, seed), weights)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for key in vectors[0]:
+        acc = torch.zeros_like(vectors[0][key])
+        for tv, w in zip(vectors, weights):
+            acc.add_(random_prune(tv[key], density, gen), alpha=float(w))
+        out[key] = acc
+    return TaskVector(out)
 
 
 def dare_ties(vectors: Sequence[TaskVector], weights: Sequence[float], density: float, seed: int = 0,
               majority_sign_method: str = "total") -> TaskVector:
+    """TIES' election and disjoint mean over the dropped task vectors."""
     check_compatible(vectors, weights)
-    dropped = _dropped(vectors, density, seed)
-    return TaskVector({key: elect_and_merge([d[key] for d in dropped], weights, majority_sign_method)
-                       for key in vectors[0]})
+    gen = torch.Generator().manual_seed(seed)
+    return TaskVector({key: elect_and_merge([random_prune(tv[key], density, gen) for tv in vectors], weights,
+                                            majority_sign_method) for key in vectors[0]})

@@ -1,29 +1,44 @@
 """Task arithmetic, magnitude pruning and TIES merging over TaskVectors, per tensor as
 `peft.utils.merge_utils` defines them (and equal to it on the same inputs, see tests).
 
-Written here rather than called from peft because peft's functions stack the T tensors of every
-parameter (T× memory); these keep running sums and visit the task vectors twice at most."""
+Written here rather than called from peft because peft's functions stack the N tensors of every
+parameter and copy the stack several times. `ties` streams instead (see `streaming`): it finds each
+task's magnitude threshold one task at a time (one |τ_t| copy of a parameter, or of the whole vector
+for scope="model"), then trims on the fly, elects signs and takes the disjoint mean chunk by chunk,
+with the same floating-point operations in the same order as the stacked definition, so results are
+bit for bit those of trimming every vector first. Memory is O(d) plus O(N·chunk) scratch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..taskvector import TaskVector
+from .streaming import Layout, Piece, chunk_len, gather, scatter
 
 SIGN_METHODS = ("total", "frequency")
+SCOPES = ("tensor", "model")
 
 
 def check_compatible(vectors: Sequence[TaskVector], weights: Sequence[float]) -> None:
-    """Raise ValueError unless there is one weight per vector and all vectors share their keys."""
+    """Raise ValueError unless there is one weight per vector and all vectors share keys and shapes."""
     if not vectors:
         raise ValueError("no task vectors to merge")
     if len(weights) != len(vectors):
         raise ValueError(f"{len(weights)} weights for {len(vectors)} task vectors")
+    first = vectors[0]
     for tv in vectors[1:]:
-        if tv.keys() != vectors[0].keys():
-            raise ValueError(f"task vectors disagree on key {sorted(set(tv) ^ set(vectors[0]))[0]!r}")
+        if tv.keys() != first.keys():
+            raise ValueError(f"task vectors disagree on key {min(set(tv) ^ set(first))!r}")
+        for key, tensor in tv.items():
+            if tensor.shape != first[key].shape:
+                raise ValueError(f"task vectors disagree on the shape of {key!r}: "
+                                 f"{tuple(tensor.shape)} and {tuple(first[key].shape)}")
 
 
 def task_arithmetic(vectors: Sequence[TaskVector], weights: Sequence[float]) -> TaskVector:
@@ -51,6 +66,7 @@ def magnitude_prune(tensor: torch.Tensor, density: float) -> torch.Tensor:
     return (flat * mask).reshape(tensor.shape)
 
 
+@torch.no_grad()
 def ties(
     vectors: Sequence[TaskVector],
     weights: Sequence[float],
@@ -63,16 +79,31 @@ def ties(
     agreeing entries over their count (weights act as multipliers, as in peft).
 
     `scope="tensor"` trims each parameter on its own (peft's `ties`); `scope="model"` keeps the top
-    `density` of each task vector as a whole (the TIES paper)."""
+    `density` of each task vector as a whole (the TIES paper). Ties at a task's threshold value are
+    broken as torch.topk breaks them, like `magnitude_prune`. Streams over CPU tensors."""
     check_compatible(vectors, weights)
-    trimmed = [trim(tv, density, scope) for tv in vectors]
-    return TaskVector(
-        {key: elect_and_merge([t[key] for t in trimmed], weights, majority_sign_method) for key in vectors[0]}
-    )
+    _check_method(majority_sign_method)
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be 'tensor' or 'model', got {scope!r}")
+    if density < 0:
+        raise ValueError(f"density must be >= 0, got {density}")
+    layout = Layout(vectors)
+    flats = [layout.flat_views(tv) for tv in vectors]
+    # threshold selection is numpy work (copy, introselect) that releases the GIL: a task per core
+    with ThreadPoolExecutor(max_workers=min(torch.get_num_threads(), len(flats))) as pool:
+        cuts = list(pool.map(lambda flat: _cuts(flat, density, scope), flats))
+
+    def fill(rows: torch.Tensor, pieces: Sequence[Piece]) -> None:
+        for row, flat, cut in zip(rows, flats, cuts):
+            for p in pieces:
+                cut[p.key].apply(flat[p.key][p.start : p.stop], p, row[p.chunk_slice])
+
+    return TaskVector(layout.unflatten(_elect_and_merge(layout, fill, weights, majority_sign_method)))
 
 
 def trim(tv: TaskVector, density: float, scope: str = "tensor") -> TaskVector:
-    """Magnitude-trim a task vector per parameter ("tensor") or over all its entries ("model")."""
+    """Magnitude-trim a task vector per parameter ("tensor") or over all its entries ("model").
+    A materialized copy; `ties` trims on the fly instead."""
     if scope == "tensor":
         return TaskVector({k: magnitude_prune(v, density) for k, v in tv.items()})
     if scope == "model":
@@ -80,27 +111,30 @@ def trim(tv: TaskVector, density: float, scope: str = "tensor") -> TaskVector:
     raise ValueError(f"scope must be 'tensor' or 'model', got {scope!r}")
 
 
+@torch.no_grad()
 def elect_and_merge(trimmed: Sequence[torch.Tensor], weights: Sequence[float], method: str = "total") -> torch.Tensor:
     """The sign election and disjoint mean of TIES on one parameter's already-trimmed task tensors."""
-    if method not in SIGN_METHODS:
-        raise ValueError(f"majority_sign_method must be one of {SIGN_METHODS}, got {method!r}")
-    vote = torch.zeros_like(trimmed[0])
-    for t in trimmed:
-        vote += t if method == "total" else t.sign()
-    majority = torch.where(vote >= 0, 1.0, -1.0).to(vote.dtype)
-    total = torch.zeros_like(vote)
-    count = torch.zeros_like(vote)
-    for t, w in zip(trimmed, weights):
-        agree = (t.sign() == majority).to(t.dtype)
-        total += t * float(w) * agree
-        count += agree
-    return total / count.clamp(min=1.0)
+    _check_method(method)
+    vectors = [{"": t} for t in trimmed]
+    layout = Layout(vectors)
+    flats = [layout.flat_views(v) for v in vectors]
+    merged = _elect_and_merge(layout, lambda rows, pieces: gather(flats, pieces, rows), weights, method)
+    return layout.unflatten(merged)[""]
 
 
+@torch.no_grad()
 def sign_similarity(vectors: Sequence[TaskVector]) -> torch.Tensor:
-    """MaTU Eq. 5: S[t, t'] = ½·(mean_j sgn(τ_t[j])·sgn(τ_t'[j]) + 1), a T×T matrix in [0, 1]."""
-    signs = torch.stack([tv.flatten().sign() for tv in vectors])
-    return 0.5 * (signs @ signs.T / signs.shape[1] + 1.0)
+    """MaTU Eq. 5: S[t, t'] = ½·(mean_j sgn(τ_t[j])·sgn(τ_t'[j]) + 1), a T×T matrix in [0, 1].
+    The Gram matrix of signs is summed chunk by chunk (exact integer counts), never stacked."""
+    check_compatible(vectors, [1.0] * len(vectors))
+    layout = Layout(vectors)
+    flats = [layout.flat_views(tv) for tv in vectors]
+    signs = torch.empty(len(vectors), chunk_len(len(vectors), 4, layout.numel))
+    gram = torch.zeros(len(vectors), len(vectors), dtype=torch.float64)
+    for _, pieces in layout.chunks(signs.shape[1]):
+        s = gather(flats, pieces, signs[:, : pieces[-1].chunk_slice.stop]).sign_()
+        gram += (s @ s.T).double()
+    return 0.5 * (gram.to(layout.dtype) / layout.numel + 1.0)
 
 
 def agreement_mask(vectors: Sequence[TaskVector], rho: float = 0.4) -> TaskVector:
@@ -112,3 +146,127 @@ def agreement_mask(vectors: Sequence[TaskVector], rho: float = 0.4) -> TaskVecto
         alpha = sum(tv[key].sign() for tv in vectors).abs() / len(vectors)
         out[key] = torch.where(alpha >= rho, torch.ones_like(alpha), alpha)
     return TaskVector(out)
+
+
+# -- streaming election and disjoint mean ------------------------------------------------------------
+
+
+def _check_method(method: str) -> None:
+    if method not in SIGN_METHODS:
+        raise ValueError(f"majority_sign_method must be one of {SIGN_METHODS}, got {method!r}")
+
+
+def _elect_and_merge(
+    layout: Layout,
+    fill: Callable[[torch.Tensor, Sequence[Piece]], None],
+    weights: Sequence[float],
+    method: str,
+) -> dict[str, torch.Tensor]:
+    """Run TIES' election and disjoint mean chunk by chunk; `fill(rows, pieces)` writes each task's
+    trimmed chunk into its row. Returns the flat merged tensor per key."""
+    out = layout.empty_flat()
+    size = chunk_len(len(weights), layout.dtype.itemsize, layout.numel)
+    trimmed = torch.empty(len(weights), size, dtype=layout.dtype)
+    scratch = torch.empty_like(trimmed)
+    for _, pieces in layout.chunks(size):
+        n = pieces[-1].chunk_slice.stop
+        fill(trimmed[:, :n], pieces)
+        scatter(_merge_chunk(trimmed[:, :n], scratch[:, :n], weights, method), pieces, out)
+    return out
+
+
+def _merge_chunk(trimmed: torch.Tensor, scratch: torch.Tensor, weights: Sequence[float], method: str) -> torch.Tensor:
+    """Election and disjoint mean of one chunk (rows = tasks). The sums run over the tasks in order,
+    as the stacked definition does; `trimmed` and `scratch` are overwritten."""
+    if method == "total":
+        vote = trimmed[0].clone()
+        for row in trimmed[1:]:
+            vote += row
+    else:
+        vote = torch.sign(trimmed, out=scratch).sum(0)  # small integers: exact in any order
+    majority = torch.ge(vote, 0, out=vote).mul_(2).sub_(1)  # +1, or -1 where the vote is negative
+    agree = torch.gt(torch.mul(trimmed, majority, out=scratch), 0, out=scratch)  # zeros never agree
+    count = agree.sum(0)
+    trimmed.mul_(agree)
+    total = trimmed[0].mul_(float(weights[0]))  # (τ·agree)·w is (τ·w)·agree exactly: agree is 0 or 1
+    for row, w in zip(trimmed[1:], weights[1:]):
+        total += row.mul_(float(w))
+    return total.div_(count.clamp_(min=1))
+
+
+# -- magnitude thresholds ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Which entries of one task's tensor survive trimming: those with |x| > lambd (all when lambd is
+    None), plus `ties`: sorted key-local indices of entries equal to lambd that top-k keeps."""
+
+    lambd: float | None = None
+    ties: torch.Tensor | None = None
+
+    def apply(self, src: torch.Tensor, piece: Piece, out: torch.Tensor) -> None:
+        """Write the trimmed `src` (the piece's entries) into `out`."""
+        if src.dtype != out.dtype:
+            src = src.to(out.dtype)
+        if self.lambd is None:
+            out.copy_(src)
+            return
+        torch.hardshrink(src, self.lambd, out=out)  # x where |x| > lambd, else 0: trimming in one op
+        if self.ties is not None:
+            lo, hi = torch.searchsorted(self.ties, torch.tensor([piece.start, piece.stop])).tolist()
+            idx = self.ties[lo:hi] - piece.start
+            out[idx] = src[idx]
+
+
+def _cuts(flat: dict[str, torch.Tensor], density: float, scope: str) -> dict[str, _Cut]:
+    """Per key, the trimming of one task vector (given as 1-D tensors) at `density`."""
+    if density >= 1:
+        return {k: _Cut() for k in flat}
+    if scope == "tensor":
+        return {k: _cut([t], int(density * t.numel()))[0] for k, t in flat.items()}
+    return dict(zip(flat, _cut(list(flat.values()), int(density * sum(t.numel() for t in flat.values())))))
+
+
+def _cut(tensors: list[torch.Tensor], k: int) -> list[_Cut]:
+    """Cuts keeping the k largest |entries| of the concatenated tensors, the ones `magnitude_prune`
+    keeps: torch.topk's choice where entries tie at the threshold value."""
+    if k == 0:
+        return [_Cut(math.inf)] * len(tensors)
+    v, tied = _kth_largest_abs(tensors, k)
+    if v == 0:  # fewer than k non-zero entries: keep all of them (kept zeros would never vote)
+        return [_Cut(0.0)] * len(tensors)
+    if not tied:  # exactly k entries have |x| >= v: keep those, i.e. |x| > the next float below v
+        return [_Cut(_below(v, t.dtype)) for t in tensors]
+    # more than k entries have |x| >= v, so only some of those equal to v are kept: ask topk which
+    # (one full top-k of this population; rare for real-valued vectors of modest size)
+    flat = torch.cat(tensors).abs()
+    idx = torch.topk(flat, k, sorted=False).indices  # the same set as sorted
+    tied_kept = idx[flat[idx] == v].sort().values
+    cuts, offset = [], 0
+    for t in tensors:
+        mine = tied_kept[(tied_kept >= offset) & (tied_kept < offset + t.numel())] - offset
+        cuts.append(_Cut(v, mine))
+        offset += t.numel()
+    return cuts
+
+
+def _below(v: float, dtype: torch.dtype) -> float:
+    """The largest value of `dtype` below the positive `v` (a value of that dtype)."""
+    return torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()
+
+
+def _kth_largest_abs(tensors: list[torch.Tensor], k: int) -> tuple[float, bool]:
+    """The k-th largest |entry| v of the concatenated 1-D tensors (1 ≤ k ≤ n), and whether more than
+    k entries have |x| ≥ v. One |x| copy of the population, selected in place with numpy's
+    introselect: torch.kthvalue and torch.topk are about ten times slower on millions of entries."""
+    a = np.concatenate([np.abs(_numpy(t)) for t in tensors])
+    lower = a.size - k
+    a.partition(lower)  # a[lower] is the k-th largest; a[:lower] holds the entries <= it
+    v = a[lower]
+    return float(v), bool(np.count_nonzero(a[:lower] == v))
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16, which numpy lacks, as a float32 copy)."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()

@@ -8,6 +8,10 @@ recovered as λ_t·(m_t ⊙ τ).
     m_t = 1[τ_t ⊙ τ > 0]
     λ_t = Σ|τ_t| / Σ|m_t ⊙ τ|                          ("global_sum", the paper's rescaler)
         or Σ_keys mean|τ_t[key]| / Σ_keys mean|m_t ⊙ τ[key]|   ("per_tensor_mean", EMR's code)
+
+`unify` streams (see `streaming`): per chunk of all T tasks, one pass sums the tasks in order (the
+sign), then x_t·σ gives both μ (its running max) and m_t (where it is > 0: the sign test of
+τ_t ⊙ τ without the product, so no underflow), and the rescalers' sums are taken per key.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..taskvector import TaskVector
+from .bitmask import packed_size, unpack_bits
+from .streaming import Layout, chunk_len, gather, scatter
 from .ties import check_compatible
 
 RESCALERS = ("global_sum", "per_tensor_mean")
@@ -25,38 +32,75 @@ RESCALERS = ("global_sum", "per_tensor_mean")
 
 @dataclass
 class Unified:
+    """τ, the masks and the rescalers. `masks[t]` is task t's mask bit-packed over the flat vector
+    (`vector.flatten()` order: keys in order, each row-major), 1 bit per entry in numpy's
+    `packbits` layout (see `bitmask`): a 1-D uint8 tensor of ⌈d/8⌉ bytes, the layout MaTU's wire
+    form and the compact export use. `mask(t)` unpacks it."""
+
     vector: TaskVector
-    masks: list[TaskVector]  # bool tensors, one TaskVector per task
+    masks: list[torch.Tensor]
     rescalers: list[float]
+
+    def mask(self, t: int) -> TaskVector:
+        """Task t's mask m_t as bool tensors shaped like the vector's."""
+        flat = unpack_bits(self.masks[t], self.vector.numel())
+        return TaskVector.unflatten(flat, {k: v.shape for k, v in self.vector.items()})
 
     def task_vector(self, t: int) -> TaskVector:
         """The approximation λ_t·(m_t ⊙ τ) of task t's vector."""
-        return TaskVector({k: self.rescalers[t] * self.masks[t][k] * v for k, v in self.vector.items()})
+        mask = self.mask(t)
+        return TaskVector({k: self.rescalers[t] * mask[k] * v for k, v in self.vector.items()})
 
 
+@torch.no_grad()
 def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum") -> Unified:
+    """Unify T task vectors (CPU tensors) into τ, T bit-packed masks and T rescalers."""
     if rescaler not in RESCALERS:
         raise ValueError(f"rescaler must be one of {RESCALERS}, got {rescaler!r}")
     check_compatible(vectors, [1.0] * len(vectors))
-    unified, masks = {}, [{} for _ in vectors]
-    for key in vectors[0]:
-        sign = sum(tv[key] for tv in vectors).sign()
-        magnitude = torch.zeros_like(sign)
-        for tv in vectors:
-            agreeing = tv[key].sign() == sign
-            magnitude = torch.where(agreeing, torch.maximum(magnitude, tv[key].abs()), magnitude)
-        unified[key] = sign * magnitude
-        for i, tv in enumerate(vectors):
-            masks[i][key] = tv[key] * unified[key] > 0
-    rescalers = [_rescaler(tv, unified, m, rescaler) for tv, m in zip(vectors, masks)]
-    return Unified(TaskVector(unified), [TaskVector(m) for m in masks], rescalers)
+    layout = Layout(vectors)
+    flats = [layout.flat_views(tv) for tv in vectors]
+    n_tasks, keys = len(vectors), list(layout.numels)
+    key_index = {k: j for j, k in enumerate(keys)}
+    unified = layout.empty_flat()
+    masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
+    mask_bytes = [m.numpy() for m in masks]
+    sums = torch.zeros(2, n_tasks, len(keys), dtype=torch.float64)  # Σ|τ_t| and Σ|m_t ⊙ τ| per key
+    size = chunk_len(n_tasks, layout.dtype.itemsize, layout.numel)
+    x_buf = torch.empty(n_tasks, size, dtype=layout.dtype)
+    q_buf = torch.empty_like(x_buf)
+    m_buf = torch.empty(n_tasks, size, dtype=torch.bool)
+    sum_dtype = torch.promote_types(layout.dtype, torch.float32)
+    for start, pieces in layout.chunks(size):
+        n = pieces[-1].chunk_slice.stop
+        x, q, m = gather(flats, pieces, x_buf[:, :n]), q_buf[:, :n], m_buf[:, :n]
+        sign = x[0].clone()
+        for row in x[1:]:
+            sign += row  # in task order, as Σ_t τ_t is defined
+        sign.sign_()
+        torch.mul(x, sign, out=q)  # x_t·σ: > 0 exactly where τ_t agrees with the elected sign
+        magnitude = q.amax(0).clamp_(min=0)
+        scatter(sign.mul_(magnitude), pieces, unified)
+        _positive(q, m)
+        packed = np.packbits(m.numpy(), axis=1)  # chunks start at multiples of 8 entries
+        for dst, row in zip(mask_bytes, packed):
+            dst[start // 8 : start // 8 + row.size] = row
+        torch.abs(x, out=x)
+        torch.gt(q, 0, out=q).mul_(magnitude)  # |m_t ⊙ τ|
+        for p in pieces:
+            j = key_index[p.key]
+            sums[0, :, j] += x[:, p.chunk_slice].sum(1, dtype=sum_dtype).double()
+            sums[1, :, j] += q[:, p.chunk_slice].sum(1, dtype=sum_dtype).double()
+    if rescaler == "per_tensor_mean":  # each key's mean weighs the same (an empty key adds nothing)
+        sums /= torch.tensor([max(layout.numels[k], 1) for k in keys], dtype=torch.float64)
+    num, den = sums.sum(2)
+    rescalers = [float(a / b) if b > 0 else 0.0 for a, b in zip(num.tolist(), den.tolist())]
+    return Unified(TaskVector(layout.unflatten(unified)), masks, rescalers)
 
 
-def _rescaler(tv: TaskVector, unified: dict, mask: dict, kind: str) -> float:
-    if kind == "global_sum":
-        num = sum(float(tv[k].abs().sum()) for k in unified)
-        den = sum(float((unified[k] * mask[k]).abs().sum()) for k in unified)
+def _positive(q: torch.Tensor, out: torch.Tensor) -> None:
+    """out = q > 0 (bool). numpy writes bools several times faster than torch; it lacks bfloat16."""
+    if q.dtype == torch.bfloat16:
+        torch.gt(q, 0, out=out)
     else:
-        num = sum(float(tv[k].abs().mean()) for k in unified)
-        den = sum(float((unified[k] * mask[k]).abs().mean()) for k in unified)
-    return num / den if den > 0 else 0.0
+        np.greater(q.numpy(), 0, out=out.numpy())

@@ -30,7 +30,7 @@ import torch
 from ..client import LocalTrainer
 from ..errors import ConfigError
 from ..merge import agreement_mask, sign_similarity, unify
-from ..merge.bitmask import pack_bits, packed_size, unpack_bits
+from ..merge.bitmask import packed_size, unpack_bits
 from ..merge.unify import RESCALERS
 from ..taskvector import TaskVector
 from ..update import ClientUpdate
@@ -64,10 +64,9 @@ def encode_unified(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "
     layout, one float32 rescaler per task. Flat tensors keep the safetensors header to a few keys."""
     tasks = list(vectors)
     u = unify([vectors[t] for t in tasks], rescaler=rescaler)
-    flat = u.vector.flatten().float()
     return {
-        UNIFIED: TaskVector({FLAT_KEY: flat.to(WIRE_DTYPES[dtype])}),
-        MASKS: TaskVector({t: pack_bits(vectors[t].flatten() * flat > 0) for t in tasks}),  # m_t = 1[τ_t ⊙ τ > 0]
+        UNIFIED: TaskVector({FLAT_KEY: u.vector.flatten().to(WIRE_DTYPES[dtype])}),
+        MASKS: TaskVector({t: u.masks[i] for i, t in enumerate(tasks)}),  # bit-packed over the flat layout
         RESCALERS_VECTOR: TaskVector({t: torch.tensor(u.rescalers[i], dtype=torch.float32) for i, t in enumerate(tasks)}),
     }
 

@@ -1,0 +1,200 @@
+"""Streaming merges versus peft's stacked ones: time and peak extra memory on N task vectors of d floats.
+
+Inputs: N task vectors, float32, `torch.randn` from a seeded generator. The d entries are split over
+8 parameter tensors `layers.{0..7}.weight` holding 30, 20, 15, 10, 10, 8 and 5% of d (each size made
+odd, so chunks straddle tensors at unaligned offsets) and the rest; they are 1-D because every method
+here works elementwise on flattened tensors (peft's `ties` included). Weights w_t = 0.5 + t/N (not all
+1, as FedAvg-style weights would not be), density 0.2, majority sign "total", per-tensor trimming.
+
+Methods, each called on the same inputs:
+  floor  Σ_t τ_t as a running sum in cache-sized chunks: one read of the N·d floats, the least any
+         merge of N vectors must do
+  ties   hf_fedtask.merge.ties
+  unify  hf_fedtask.merge.unify (global-sum rescalers; bit-packed masks)
+  peft   peft.utils.merge_utils.ties once per parameter, as peft's add_weighted_adapter applies it
+         (it torch.stack-s the N tensors of the parameter, and copies the stack several times)
+
+Time: wall clock, the best of --repeat calls. Peak extra memory: the peak resident set size during
+the call minus the resident set size just before it. tracemalloc does not see torch's allocations,
+so both come from the kernel: the peak (VmHWM) is reset by writing 5 to /proc/self/clear_refs before
+the call and read from /proc/self/status after it, which misses no short-lived peak; where that file
+cannot be written, a thread samples the RSS every millisecond (psutil) instead. Before each call
+freed heap memory is handed back to the OS (gc, then glibc's malloc_trim), so calls start from the
+same baseline. Peaks are floored at one page, so that ratios stay finite at tiny sizes.
+
+Goals (the issue): ours ≤ 2× the floor, ≥ 3× faster than peft, ≤ 1/5 of peft's peak extra memory.
+
+    python benchmarks/merge_bench.py                  # N=30, d=10M (≈1.2 GB of inputs)
+    python benchmarks/merge_bench.py --n 4 --d 100000 # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import math
+import os
+import threading
+import time
+
+import torch
+from peft.utils import merge_utils as peft_merge
+
+from hf_fedtask.merge import ties, unify
+from hf_fedtask.merge.streaming import chunk_len
+from hf_fedtask.taskvector import TaskVector
+
+FRACTIONS = (0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+GOALS = {"ours/floor": 2.0, "peft/ours": 3.0, "ours_mem/peft_mem": 0.2}
+
+
+def make_inputs(n: int, d: int, seed: int) -> list[TaskVector]:
+    """N seeded float32 task vectors of d entries over 8 tensors (see the module docstring)."""
+    sizes = [max(1, int(f * d)) | 1 for f in FRACTIONS]
+    sizes.append(d - sum(sizes))
+    if sizes[-1] < 0:
+        raise ValueError(f"--d {d} is too small for the 8-tensor layout")
+    g = torch.Generator().manual_seed(seed)
+    return [TaskVector({f"layers.{i}.weight": torch.randn(s, generator=g) for i, s in enumerate(sizes)})
+            for _ in range(n)]
+
+
+def floor(vectors: list[TaskVector]) -> dict[str, torch.Tensor]:
+    """Σ_t τ_t, chunk by chunk so the accumulator stays in cache: N·d floats read once."""
+    size = chunk_len(1, 4, sum(t.numel() for t in vectors[0].values()))
+    out = {}
+    for key in vectors[0]:
+        acc = torch.zeros(vectors[0][key].numel())
+        for start in range(0, acc.numel(), size):
+            part = acc[start : start + size]
+            for tv in vectors:
+                part.add_(tv[key][start : start + size])
+        out[key] = acc
+    return out
+
+
+def peft_ties(vectors: list[TaskVector], weights: list[float], density: float) -> dict[str, torch.Tensor]:
+    w = torch.tensor(weights)
+    return {key: peft_merge.ties([tv[key] for tv in vectors], w, density, "total") for key in vectors[0]}
+
+
+def _release_freed_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: freed memory may stay resident, peaks are then upper bounds
+        pass
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak RSS (VmHWM) to the current RSS; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure(fn, repeat: int) -> tuple[float, int, object]:
+    """(best seconds, smallest peak extra bytes, last result) over `repeat` calls of fn()."""
+    best_s, best_mem, result = math.inf, None, None
+    for _ in range(repeat):
+        result = None
+        _release_freed_memory()
+        if _reset_peak():
+            base = _status_kib("VmRSS") * 1024
+            start = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - start
+            extra = _status_kib("VmHWM") * 1024 - base
+        else:
+            seconds, extra, result = _sampled(fn)
+        best_s = min(best_s, seconds)
+        extra = max(extra, PAGE)
+        best_mem = extra if best_mem is None else min(best_mem, extra)
+    return best_s, best_mem, result
+
+
+def _sampled(fn) -> tuple[float, int, object]:
+    """Time and peak extra RSS of fn(), the RSS sampled every millisecond by a thread."""
+    import psutil
+
+    proc = psutil.Process()
+    base = peak = proc.memory_info().rss
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.001):
+            peak = max(peak, proc.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    done.set()
+    thread.join()
+    return seconds, max(peak, proc.memory_info().rss) - base, result
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=30, help="task vectors")
+    p.add_argument("--d", type=int, default=10_000_000, help="entries per task vector")
+    p.add_argument("--density", type=float, default=0.2)
+    p.add_argument("--repeat", type=int, default=2, help="calls per method; the best time and smallest peak count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    vectors = make_inputs(args.n, args.d, args.seed)
+    weights = [0.5 + t / args.n for t in range(args.n)]
+    print(f"N={args.n} d={args.d:,} float32 ({args.n * args.d * 4 / 2**20:,.0f} MiB of inputs), density "
+          f"{args.density}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    runs = {
+        "floor": lambda: floor(vectors),
+        "ties": lambda: ties(vectors, weights, args.density),
+        "unify": lambda: unify(vectors),
+        "peft": lambda: peft_ties(vectors, weights, args.density),
+    }
+    results, outputs = {}, {}
+    for name, fn in runs.items():
+        seconds, mem, outputs[name] = measure(fn, args.repeat)
+        results[name] = (seconds, mem)
+    diff = max(float((outputs["ties"][k] - outputs["peft"][k]).abs().max()) for k in vectors[0])
+    outputs.clear()
+
+    print(f"\n{'method':<8}{'time s':>10}{'peak extra MiB':>16}")
+    for name, (seconds, mem) in results.items():
+        print(f"{name:<8}{seconds:>10.3f}{mem / 2**20:>16.1f}")
+    print(f"max |ties - peft ties| = {diff:.3g}")
+
+    (t_floor, _), (t_peft, m_peft) = results["floor"], results["peft"]
+    ratios = {}
+    for ours in ("ties", "unify"):
+        t, m = results[ours]
+        ratios[f"{ours}/floor"] = t / t_floor
+        ratios[f"peft/{ours}"] = t_peft / t
+        ratios[f"{ours}_mem/peft_mem"] = m / m_peft
+    print(f"\n{'ratio':<22}{'value':>8}  goal")
+    for name, value in ratios.items():
+        kind = name.replace("ties", "ours").replace("unify", "ours")
+        goal = GOALS[kind]
+        ok = value <= goal if kind != "peft/ours" else value >= goal
+        print(f"{name:<22}{value:>8.3f}  {'≥' if kind == 'peft/ours' else '≤'} {goal:g} {'met' if ok else 'NOT met'}")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Chunked passes over N task vectors at once, so that server-side merges never stack N vectors.
+
+A merge walks the flat index space of the vectors (the order of `TaskVector.flatten`) in chunks.
+Each chunk of all N tasks is gathered into an N×C scratch buffer sized to stay in the CPU cache, so
+every input float is read from memory once however many passes the merge then makes over the
+chunk, and the batched operations over the buffer keep torch's per-call overhead small even for
+vectors made of many small tensors. Memory is the outputs (O(d)) plus O(N·C) scratch.
+
+Chunks start at multiples of 8, so per-chunk bit-packed masks concatenate into one mask over the
+flat vector (numpy's `packbits` layout, as `bitmask` defines it).
+
+Written here because neither torch nor peft has a chunked multi-tensor pass over dicts of tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import reduce
+
+import torch
+
+# Bytes of one chunk of all N tasks. The merges keep two or three such buffers, which must stay in
+# the last-level cache beside the inputs streaming through it: 4 MiB measured best on a 32 MiB L3
+# (N=30, d=10M: 8 MiB was 10-25% slower, 2 MiB 5% slower).
+CACHE_BYTES = 4 << 20
+MAX_CHUNK = 1 << 20  # entries per row when there are only a few tasks
+
+
+def chunk_len(n_rows: int, itemsize: int, numel: int) -> int:
+    """Entries per chunk for `n_rows` rows of `itemsize` bytes over `numel` entries: a multiple of
+    8, at least 8, no more than `numel` needs."""
+    fits = min(MAX_CHUNK, CACHE_BYTES // (max(n_rows, 1) * itemsize), numel + 7)
+    return max(8, fits // 8 * 8)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one key in a chunk: key-local flat entries [start, stop) land at chunk[offset:]."""
+
+    key: str
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def chunk_slice(self) -> slice:
+        return slice(self.offset, self.offset + self.stop - self.start)
+
+
+class Layout:
+    """Keys, shapes and dtypes of N compatible task vectors, and the chunks of their flat space.
+
+    `dtype` is the promotion of every key's dtype over all vectors: merges compute in it and write
+    each key back in its own dtype, which for the usual single-dtype vectors changes nothing."""
+
+    def __init__(self, vectors: Sequence[Mapping[str, torch.Tensor]]):
+        template = vectors[0]
+        for tensor in template.values():
+            if tensor.device.type != "cpu":
+                raise ValueError(f"streaming merges take CPU tensors, got one on {tensor.device}")
+        self.shapes = {k: v.shape for k, v in template.items()}
+        self.dtypes = {k: v.dtype for k, v in template.items()}
+        self.numels = {k: v.numel() for k, v in template.items()}
+        self.numel = sum(self.numels.values())
+        dtypes = {t.dtype for tv in vectors for t in tv.values()}
+        self.dtype = reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+
+    def chunks(self, size: int) -> Iterator[tuple[int, list[Piece]]]:
+        """(flat start, pieces) of consecutive chunks of `size` entries (the last may be shorter)."""
+        pieces: list[Piece] = []
+        filled, start = 0, 0
+        for key, numel in self.numels.items():
+            pos = 0
+            while pos < numel:
+                take = min(numel - pos, size - filled)
+                pieces.append(Piece(key, pos, pos + take, filled))
+                pos += take
+                filled += take
+                if filled == size:
+                    yield start, pieces
+                    start, filled, pieces = start + size, 0, []
+        if pieces:
+            yield start, pieces
+
+    def flat_views(self, tv: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each tensor as a 1-D view (a copy only for a non-contiguous tensor)."""
+        return {k: tv[k].detach().reshape(-1) for k in self.numels}
+
+    def empty_flat(self) -> dict[str, torch.Tensor]:
+        """Uninitialized flat outputs, one per key in the key's own dtype."""
+        return {k: torch.empty(n, dtype=self.dtypes[k]) for k, n in self.numels.items()}
+
+    def unflatten(self, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: flat[k].reshape(shape) for k, shape in self.shapes.items()}
+
+
+def gather(flats: Sequence[Mapping[str, torch.Tensor]], pieces: Sequence[Piece], out: torch.Tensor) -> torch.Tensor:
+    """Copy the chunk described by `pieces` of each task (row t from flats[t]) into `out` (N×n)."""
+    for row, flat in zip(out, flats):
+        for p in pieces:
+            row[p.chunk_slice].copy_(flat[p.key][p.start : p.stop])
+    return out
+
+
+def scatter(chunk: torch.Tensor, pieces: Sequence[Piece], out: Mapping[str, torch.Tensor]) -> None:
+    """Write a merged chunk (n entries) back into the flat per-key outputs."""
+    for p in pieces:
+        out[p.key][p.start : p.stop].copy_(chunk[p.chunk_slice])
