@@ -12,8 +12,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+from .checkpoint import CHECKPOINT_FILE
 from .config import RunConfig
-from .federation import run, write_atomic
+from .federation import RESULTS_FILE, run, write_atomic
 from .reference import shipped_reference
 
 INDIVIDUAL = "individual"
@@ -27,9 +28,19 @@ def run_comparison(base: RunConfig, strategies: list[str], settings: dict[str, d
         for strategy in strategies:
             config = dataclasses.replace(base, strategy=strategy, **overrides,
                                          output_dir=str(Path(base.output_dir) / setting / strategy))
-            resumable = (Path(config.output_dir) / "checkpoint.safetensors").exists()
-            table[setting][strategy] = run(config, resume=resumable)
+            table[setting][strategy] = finished_results(config) or run(
+                config, resume=(Path(config.output_dir) / CHECKPOINT_FILE).exists())
     return table
+
+
+def finished_results(config: RunConfig) -> dict | None:
+    """The results.json already in `config.output_dir` if it is this run, finished."""
+    path = Path(config.output_dir) / RESULTS_FILE
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    previous = RunConfig.from_dict(results["config"], source=str(path))
+    return results if previous.same_run(config) and results["rounds"] == config.rounds else None
 
 
 def summary_rows(results_by_strategy: dict[str, dict], base_model: str) -> list[dict]:

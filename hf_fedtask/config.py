@@ -95,9 +95,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        """Hash of the settings that define the run's result (not where it is written or for how long)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in self.RESUMABLE_CHANGES}
+        """Hash of the settings that define the run's result (not where it is written or for how
+        long). Only values that differ from the defaults count, so a release that adds a setting
+        (at a default that keeps the old behaviour) still resumes the runs of the previous one."""
+        defaults = RunConfig().to_dict()
+        d = {k: v for k, v in self.to_dict().items() if k not in self.RESUMABLE_CHANGES and v != defaults[k]}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def same_run(self, other: RunConfig) -> bool:
+        """True when `other` would produce the same result (it may differ in RESUMABLE_CHANGES)."""
+        return self.fingerprint() == other.fingerprint()
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> RunConfig:

@@ -44,3 +44,11 @@ def test_fingerprint_ignores_where_and_how_long_but_not_what():
     a = RunConfig()
     assert a.fingerprint() == RunConfig(output_dir="elsewhere", rounds=50).fingerprint()
     assert a.fingerprint() != RunConfig(learning_rate=0.1).fingerprint()
+
+
+def test_a_setting_added_later_at_its_default_keeps_old_runs_resumable():
+    """Runs saved by a release without `wire_dtype` are the same run for a release with it."""
+    config = RunConfig(strategy="matu", learning_rate=0.01)
+    saved = {k: v for k, v in config.to_dict().items() if k != "wire_dtype"}
+    assert RunConfig.from_dict(saved).fingerprint() == config.fingerprint()
+    assert RunConfig.from_dict({**saved, "wire_dtype": "bfloat16"}).fingerprint() != config.fingerprint()
