@@ -44,12 +44,9 @@ from .base import (
     register_strategy,
 )
 
-UNIFIED = "unified"
-MASKS = "masks"
-RESCALERS_VECTOR = "rescalers"
-EXPORT_PREFIX = "export/"
+WIRE = "matu"
+EXPORTED = "export"
 COMBINE_RULES = ("sum", "mean", "s_normalized")
-FLAT_KEY = "flat"
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -58,32 +55,53 @@ def task_vector_name(task: str) -> str:
     return f"task/{task}"
 
 
-def encode_unified(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "float32") -> dict[str, TaskVector]:
-    """Unify task vectors (task -> τ^t, PEFT keys) into MaTU's wire form: the unified vector as one
-    flat tensor (float32, or bfloat16 on request), one bit-packed mask per task over the same flat
-    layout, one float32 rescaler per task. Flat tensors keep the safetensors header to a few keys."""
+def encode_wire(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "float32",
+                heads: dict[str, TaskVector] | None = None) -> TaskVector:
+    """MaTU's wire form of task vectors (task -> τ^t, PEFT keys, in the order given), unified:
+
+        unified    the unified vector τ, flat (float32, or bfloat16 on request)
+        masks      (T, ⌈d/8⌉) uint8: task t's mask m_t, bit-packed over the same flat layout
+        rescalers  (T,) float32: λ_t
+        heads      the tasks' heads, flattened and concatenated in task order (when given)
+
+    Four tensors whatever T and the number of modules, so the header stays a few hundred bytes."""
     tasks = list(vectors)
     u = unify([vectors[t] for t in tasks], rescaler=rescaler)
-    return {
-        UNIFIED: TaskVector({FLAT_KEY: u.vector.flatten().to(WIRE_DTYPES[dtype])}),
-        MASKS: TaskVector({t: u.masks[i] for i, t in enumerate(tasks)}),  # bit-packed over the flat layout
-        RESCALERS_VECTOR: TaskVector({t: torch.tensor(u.rescalers[i], dtype=torch.float32) for i, t in enumerate(tasks)}),
+    wire = {
+        "unified": u.vector.flatten().to(WIRE_DTYPES[dtype]),
+        "masks": torch.stack(u.masks),
+        "rescalers": torch.tensor(u.rescalers, dtype=torch.float32),
     }
+    if heads is not None:
+        wire["heads"] = torch.cat([heads[t].flatten().float() for t in tasks])
+    return TaskVector(wire)
 
 
-def decode_task(wire: dict[str, TaskVector], task: str, like: TaskVector) -> TaskVector:
-    """m^t ⊙ τ from the wire form, in the keys, shapes and dtypes of `like`."""
-    flat = wire[UNIFIED][FLAT_KEY].float()
-    return TaskVector.unflatten(flat * unpack_bits(wire[MASKS][task], flat.numel()), like)
-
-
-def wire_template(numel: int, tasks: list[str], dtype: str = "float32") -> dict[str, TaskVector]:
-    """Keys, shapes and dtypes of the wire form for a client holding `tasks` (values are zeros)."""
-    return {
-        UNIFIED: TaskVector({FLAT_KEY: torch.zeros(numel, dtype=WIRE_DTYPES[dtype])}),
-        MASKS: TaskVector({t: torch.zeros(packed_size(numel), dtype=torch.uint8) for t in tasks}),
-        RESCALERS_VECTOR: TaskVector({t: torch.zeros(()) for t in tasks}),
+def wire_template(numel: int, tasks: list[str], dtype: str = "float32",
+                  heads: dict[str, TaskVector] | None = None) -> TaskVector:
+    """Keys, shapes and dtypes of `encode_wire`'s output (values are zeros)."""
+    wire = {
+        "unified": torch.zeros(numel, dtype=WIRE_DTYPES[dtype]),
+        "masks": torch.zeros(len(tasks), packed_size(numel), dtype=torch.uint8),
+        "rescalers": torch.zeros(len(tasks)),
     }
+    if heads is not None:
+        wire["heads"] = torch.zeros(sum(heads[t].flatten().numel() for t in tasks))
+    return TaskVector(wire)
+
+
+def decode_task(wire: TaskVector, index: int, like: TaskVector) -> TaskVector:
+    """λ_t·(m_t ⊙ τ) of the `index`-th task, in the keys, shapes and dtypes of `like`."""
+    flat = wire["unified"].float()
+    masked = flat * unpack_bits(wire["masks"][index], flat.numel())
+    return TaskVector.unflatten(float(wire["rescalers"][index]) * masked, like)
+
+
+def decode_heads(wire: TaskVector, templates: dict[str, TaskVector]) -> dict[str, TaskVector]:
+    """The heads in `wire`, split by `templates` (task -> a head of the right shapes, in wire order)."""
+    sizes = [tv.flatten().numel() for tv in templates.values()]
+    parts = torch.split(wire["heads"], sizes)
+    return {t: TaskVector.unflatten(part, templates[t]) for t, part in zip(templates, parts)}
 
 
 @register_strategy
@@ -128,73 +146,72 @@ class MaTU(Strategy):
         return sorted({t for tasks in state.allocation.values() for t in tasks})
 
     def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
-        """All tasks unified (what is evaluated and exported), stored in the state as `export/*`."""
-        wire = encode_unified(self._task_vectors(state, self._all_tasks(state)), self.rescaler)
-        return {EXPORT_PREFIX + name: tv for name, tv in wire.items()}
-
-    def exported_wire(self, state: GlobalState) -> dict[str, TaskVector]:
-        return {name: state.vectors[EXPORT_PREFIX + name] for name in (UNIFIED, MASKS, RESCALERS_VECTOR)}
+        """All tasks unified (what is evaluated and exported), kept in the state as `export`."""
+        return {EXPORTED: encode_wire(self._task_vectors(state, self._all_tasks(state)), self.rescaler)}
 
     def compact_form(self, state: GlobalState) -> dict:
         """The exported form as `hf_fedtask.compact.save_compact` arguments (bool masks per key)."""
         origin = state.vectors[SHARED]
-        wire = self.exported_wire(state)
-        flat = wire[UNIFIED][FLAT_KEY]
+        wire = state.vectors[EXPORTED]
         shapes = {k: tuple(v.shape) for k, v in origin.items()}
-        tasks = list(wire[MASKS])
+        numel = wire["unified"].numel()
+        tasks = self._all_tasks(state)
         return {
             "init": origin,
-            "unified": TaskVector.unflatten(flat, origin),
-            "masks": {t: TaskVector.unflatten(unpack_bits(wire[MASKS][t], flat.numel()), shapes) for t in tasks},
-            "rescalers": {t: float(wire[RESCALERS_VECTOR][t]) for t in tasks},
+            "unified": TaskVector.unflatten(wire["unified"], origin),
+            "masks": {t: TaskVector.unflatten(unpack_bits(wire["masks"][i], numel), shapes) for i, t in enumerate(tasks)},
+            "rescalers": {t: float(wire["rescalers"][i]) for i, t in enumerate(tasks)},
             "heads": {t: state.vectors[head_name(t)] for t in tasks},
         }
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         """θ_p + λ_t·(m_t ⊙ τ) from the all-task unification, plus the task's head."""
         origin = state.vectors[SHARED]
-        wire = self.exported_wire(state)
-        masked = decode_task(wire, task, origin)
-        shared = origin + float(wire[RESCALERS_VECTOR][task]) * masked
+        shared = origin + decode_task(state.vectors[EXPORTED], self._all_tasks(state).index(task), origin)
         return TaskVector({**shared, **state.vectors[head_name(task)]})
 
     # -- communication -----------------------------------------------------------------------------
+    def _heads(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
+        return {t: state.vectors[head_name(t)] for t in tasks}
+
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        heads = {head_name(t): state.vectors[head_name(t)] for t in tasks}
-        return {**encode_unified(self._task_vectors(state, tasks), self.rescaler, self.wire_dtype), **heads}
+        return {WIRE: encode_wire(self._task_vectors(state, tasks), self.rescaler, self.wire_dtype,
+                                  heads=self._heads(state, tasks))}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         numel = sum(t.numel() for t in state.vectors[SHARED].values())
-        heads = {head_name(t): state.vectors[head_name(t)] for t in tasks}
-        return {**wire_template(numel, tasks, self.wire_dtype), **heads}
+        return {WIRE: wire_template(numel, tasks, self.wire_dtype, heads=self._heads(state, tasks))}
 
     # -- client ------------------------------------------------------------------------------------
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
-        origin = job.origin
+        origin, wire = job.origin, downlink[WIRE]
+        heads = decode_heads(wire, {t: job.initial_heads[t] for t in job.tasks})
         trained_vectors, head_deltas, metrics = {}, {}, {}
-        for task in job.tasks:
-            masked = decode_task(downlink, task, origin)
-            lam = float(downlink[RESCALERS_VECTOR][task])
-            start = TaskVector({**(origin + lam * masked), **downlink[head_name(task)]})
+        for i, task in enumerate(job.tasks):
+            start = TaskVector({**(origin + decode_task(wire, i, origin)), **heads[task]})
             trained, m = trainer.train(start, job.data[task], seed=job.seed_for(task))
             trained_vectors[task] = trained.filter(lambda k: k in origin) - origin
-            head_deltas[head_name(task)] = trained.filter(lambda k: k not in origin) - downlink[head_name(task)]
+            head_deltas[task] = trained.filter(lambda k: k not in origin) - heads[task]
             metrics[f"{task}/train_loss"] = m["train_loss"]
-        vectors = {**encode_unified(trained_vectors, self.rescaler, self.wire_dtype), **head_deltas}
-        return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
+        update = encode_wire(trained_vectors, self.rescaler, self.wire_dtype, heads=head_deltas)
+        return ClientUpdate(job.client_id, job.round, {WIRE: update}, job.num_samples(), metrics)
 
     # -- server ------------------------------------------------------------------------------------
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         origin = state.vectors[SHARED]
         same_task, soft_masks = {}, {}
+        for u in updates:  # the heads' changes, unpacked, are averaged as in FedAvg
+            tasks = sorted(u.num_samples)
+            u.vectors.update({head_name(t): h for t, h in decode_heads(u.vectors[WIRE], self._heads(state, tasks)).items()})
         for task in sorted({t for u in updates for t in u.num_samples}):
             holders = [u for u in updates if task in u.num_samples]
             total = sum(u.num_samples[task] for u in holders)
-            reconstructed = [decode_task(u.vectors, task, origin) for u in holders]  # τ_n^t ≈ m_n^t ⊙ τ_n
+            # τ_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n), weighted by γ_n^t (Eq. 4); the sign vote of Eq. 3 ignores λ > 0
+            reconstructed = [decode_task(u.vectors[WIRE], sorted(u.num_samples).index(task), origin) for u in holders]
             soft_masks[task] = agreement_mask(reconstructed, self.rho)
             weighted = reconstructed[0].zeros_like()
             for u, r in zip(holders, reconstructed):
-                weighted = weighted + (u.num_samples[task] / total * float(u.vectors[RESCALERS_VECTOR][task])) * r
+                weighted = weighted + (u.num_samples[task] / total) * r
             same_task[task] = soft_masks[task] * weighted
         vectors = dict(state.vectors)
         vectors.update({task_vector_name(t): v for t, v in self._cross_task(same_task, soft_masks).items()})
