@@ -14,7 +14,13 @@ from hf_fedtask import federation
 from hf_fedtask.merge.bitmask import unpack_bits
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
-from hf_fedtask.strategies.matu import WIRE, decode_heads, decode_task, encode_wire, task_vector_name
+from hf_fedtask.strategies.matu import (
+    WIRE,
+    decode_heads,
+    decode_task,
+    encode_wire,
+    task_vector_name,
+)
 from hf_fedtask.taskvector import TaskVector
 from hf_fedtask.update import ClientUpdate
 
@@ -196,7 +202,7 @@ def test_bfloat16_wire_halves_the_unified_vector_and_decodes_close():
     vectors = {t: random_tv(gen, {"w": (64, 64)}) for t in ("a", "b")}
     f32, bf16 = encode_wire(vectors, "global_sum"), encode_wire(vectors, "global_sum", "bfloat16")
     assert bf16["unified"].dtype == torch.bfloat16
-    size = lambda w: len(ClientUpdate(0, 1, {WIRE: w}, {"a": 1, "b": 1}).to_bytes(  # noqa: E731
+    size = lambda w: len(ClientUpdate(0, 1, {WIRE: w}, {"a": 1, "b": 1}).to_bytes(
         base_model="m", base_model_revision="r", peft_config_hash="h"))
     assert size(f32) - size(bf16) == 2 * 64 * 64
     torch.testing.assert_close(decode_task(bf16, 0, vectors["a"])["w"], decode_task(f32, 0, vectors["a"])["w"],
@@ -224,9 +230,7 @@ def test_uplink_bytes_within_one_percent_of_the_formula_at_minilm_size(k):
 
 def test_matu_runs_end_to_end_and_exports_adapters(matu_config):
     from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification
-
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hf_fedtask import load_task_adapter
 
