@@ -30,7 +30,7 @@ DEFAULTS = {
     "num_clients": 30,
     "zeta": 0.2,
     "participation": 0.2,
-    "rounds": 15,
+    "rounds": 10,
     "local_epochs": 1.0,
     "output_dir": "runs/matu30",
 }
