@@ -110,7 +110,7 @@ class Strategy(ABC):
 
     def downlink(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
         """Exactly what the server sends `client_id` (holding `tasks`) this round."""
-        return {SHARED: state.vectors[SHARED], **{head_name(t): state.vectors[head_name(t)] for t in tasks}}
+        return {SHARED: state.vectors[SHARED], **heads_of(state, tasks)}
 
     def update_templates(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
         """What that client's update must contain (keys, shapes, dtypes); by default its downlink."""
@@ -121,6 +121,11 @@ class Strategy(ABC):
 
     @abstractmethod
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState: ...
+
+
+def heads_of(state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
+    """The `head/<task>` vectors of `tasks`."""
+    return {head_name(t): state.vectors[head_name(t)] for t in tasks}
 
 
 def average_heads(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0) -> dict[str, TaskVector]:

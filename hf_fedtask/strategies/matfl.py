@@ -19,7 +19,14 @@ from ..errors import ConfigError
 from ..merge import weighted_average
 from ..taskvector import TaskVector
 from ..update import ClientUpdate
-from .base import SHARED, GlobalState, average_heads, head_name, register_strategy
+from .base import (
+    SHARED,
+    GlobalState,
+    average_heads,
+    head_name,
+    heads_of,
+    register_strategy,
+)
 from .fedavg import FedAvg
 
 
@@ -51,7 +58,7 @@ class MaTFL(FedAvg):
         return state
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        return {SHARED: state.vectors[model_name(client_id)], **{head_name(t): state.vectors[head_name(t)] for t in tasks}}
+        return {SHARED: state.vectors[model_name(client_id)], **heads_of(state, tasks)}
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         similarity = cosine_similarity_matrix([u.vectors[SHARED] for u in updates])
