@@ -65,9 +65,15 @@ class LocalTrainer:
         gc.collect()
         gc.freeze()
 
-    def train(self, state: TaskVector, data: Dataset, *, seed: int, proximal_mu: float = 0.0) -> tuple[TaskVector, dict]:
-        """Load `state`, train on tokenized `data`, return (trained state, metrics)."""
-        self.host.load_state(state)
+    def train(self, state: TaskVector, data: Dataset, *, seed: int, proximal_mu: float = 0.0,
+              linearize_at: TaskVector | None = None, linearization: str = "network") -> tuple[TaskVector, dict]:
+        """Load `state`, train on tokenized `data`, return (trained state, metrics). With
+        `linearize_at` (a state like `state`), the model trained is the first-order Taylor expansion
+        around that point (`hf_fedtask.linearize`, mode `linearization`), started at `state`."""
+        with self.host.loaded(state, linearize_at, linearization) as model:
+            return self._fit(model, data, seed, proximal_mu)
+
+    def _fit(self, model, data: Dataset, seed: int, proximal_mu: float) -> tuple[TaskVector, dict]:
         a = self.args
         targs = TrainingArguments(
             output_dir=self._scratch.name,
@@ -93,7 +99,7 @@ class LocalTrainer:
             remove_unused_columns=False,
         )
         trainer = _ProximalTrainer(
-            model=self.host.model,
+            model=model,
             args=targs,
             train_dataset=data,
             data_collator=self.collator,

@@ -57,6 +57,11 @@ class RunConfig:
     # server / strategy
     server_lr: float = 1.0
     proximal_mu: float = 0.01
+    forget_tasks: list[str] | None = None  # unlearning: negate the updates of clients holding these tasks
+    track_task_vectors: bool = False  # FedAvg family: keep each task's accumulated vector (one-shot negation)
+    # NTKFedAvg (algorithms.md §5)
+    linearize_at: str = "server"  # server (re-linearize every round) | pretrained
+    linearization: str = "network"  # network | lora_layers (L-LoRA)
     # MaTU (algorithms.md §3)
     rho: float = 0.4  # agreement-mask threshold
     kappa: int = 2  # cross-task neighbours per task

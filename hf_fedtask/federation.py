@@ -27,7 +27,7 @@ from .compact import storage_report
 from .config import RunConfig
 from .data import build_federation, load_suite, load_task
 from .data.task import Task
-from .errors import OutputDirError
+from .errors import ConfigError, OutputDirError
 from .evaluation import evaluate
 from .reference import shipped_reference
 from .strategies import ClientJob, GlobalState, Strategy, build_strategy
@@ -127,6 +127,7 @@ class Simulation:
             min_samples=config.min_samples,
         )
         by_name = {t.name: t for t in self.tasks}
+        self._check_forget_tasks(by_name)
         self.client_data = [
             {name: self.host.tokenize(ds, by_name[name]) for name, ds in client.items()} for client in federation
         ]
@@ -137,6 +138,15 @@ class Simulation:
         initial = self.initial_state()  # before any training: the seeded PEFT init θ_p and heads
         self.origin = initial.vectors[SHARED]
         self.initial_heads = {t.name: initial.vectors[head_name(t.name)] for t in self.tasks}
+
+    def _check_forget_tasks(self, tasks: dict[str, Task]) -> None:
+        forget = self.config.forget_tasks or []
+        if forget and not hasattr(self.strategy, "forget_tasks"):
+            raise ConfigError(f"strategy {self.strategy.name!r} does not support federated unlearning (forget_tasks); "
+                              "use a FedAvg-family strategy (fedavg, fedprox, ntkfedavg, ntkfedprox)")
+        unknown = [t for t in forget if t not in tasks]
+        if unknown:
+            raise ConfigError(f"forget_tasks: unknown task {unknown[0]!r}; the run's tasks are {', '.join(tasks)}")
 
     @property
     def allocation(self) -> dict[int, list[str]]:
@@ -165,11 +175,18 @@ class Simulation:
         return sorted(int(c) for c in rng.choice(self.num_clients, size=m, replace=False))
 
     def evaluate_all(self, state: GlobalState) -> dict[str, dict]:
-        return {
-            t.name: evaluate(self.host, self.strategy.task_parameters(state, t.name, self.client_stores),
-                             self.test_data[t.name], t.metric, self.config.eval_batch_size)
-            for t in self.tasks
-        }
+        """Each task's metric. For linearized strategies it is the linearized model's, and the
+        ordinary model at the same parameters is reported as `<metric>_nonlinear`."""
+        out = {}
+        for t in self.tasks:
+            params = self.strategy.task_parameters(state, t.name, self.client_stores)
+            data, batch = self.test_data[t.name], self.config.eval_batch_size
+            point = self.strategy.linearization_point(state, t.name)
+            out[t.name] = evaluate(self.host, params, data, t.metric, batch, linearize_at=point,
+                                   linearization=getattr(self.strategy, "linearization", "network"))
+            if point is not None:
+                out[t.name][f"{t.metric}_nonlinear"] = evaluate(self.host, params, data, t.metric, batch)[t.metric]
+        return out
 
     def run_round(self, state: GlobalState, round_: int) -> tuple[GlobalState, dict]:
         start = time.perf_counter()
@@ -209,6 +226,7 @@ class Simulation:
             "train_loss": float(np.mean(losses)) if losses else None,
             "eval": evals,
             "mean_metric": float(np.mean(metric_values)),
+            **_nonlinear_mean(evals, self.tasks),
             "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
             "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
             "bytes_per_client": {str(c): t for c, t in traffic.items()},
@@ -291,11 +309,18 @@ def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) 
         "num_clients": sim.num_clients,
         "tasks": tasks,
         "mean_metric": float(np.mean([r[r["metric"]] for r in tasks.values()])),
+        **_nonlinear_mean(final, sim.tasks),
         "mean_normalized": float(np.mean(normalized)) if len(normalized) == len(tasks) else None,
         "bytes_uplink": sum(h["bytes_uplink"] for h in history),
         "bytes_downlink": sum(h["bytes_downlink"] for h in history),
         "shared_parameters": sum(t.numel() for t in state.vectors[SHARED].values()),
     }
+
+
+def _nonlinear_mean(evals: dict[str, dict], tasks: list[Task]) -> dict:
+    """`mean_metric_nonlinear` when the evaluation reports the ordinary model beside a linearized one."""
+    values = [evals[t.name].get(f"{t.metric}_nonlinear") for t in tasks]
+    return {"mean_metric_nonlinear": float(np.mean(values))} if values and None not in values else {}
 
 
 class _Tracker:

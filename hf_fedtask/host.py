@@ -7,6 +7,9 @@ evaluated. Simulating 1,000 clients therefore costs 1,000 small tensor dicts, ne
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from datasets import Dataset
 from peft import (
@@ -20,6 +23,7 @@ from peft.utils import ModulesToSaveWrapper
 from .backbone import BaseModelRef, load_classifier, load_inputs
 from .data.task import Task
 from .errors import ConfigError
+from .linearize import LinearizedModel, linearized
 from .taskvector import TaskVector
 
 
@@ -71,6 +75,21 @@ class PeftHost:
         if unknown:
             raise KeyError(f"unexpected parameter {unknown[0]!r} for this PEFT model")
         set_peft_model_state_dict(self.model, dict(state))
+
+    @contextlib.contextmanager
+    def loaded(self, state: TaskVector, linearize_at: TaskVector | None = None,
+               linearization: str = "network") -> Iterator[torch.nn.Module | LinearizedModel]:
+        """The model carrying `state`: the host model itself, or, given `linearize_at` (a state of the
+        same layout), the host model linearized around that point (`hf_fedtask.linearize`, mode
+        `linearization`) and moved to `state`; the host model is restored on exit."""
+        if linearize_at is None:
+            self.load_state(state)
+            yield self.model
+            return
+        self.load_state(linearize_at)  # the wrapper takes the live parameters as its point
+        with linearized(self.model, mode=linearization) as lin:
+            self.load_state(state)
+            yield lin
 
     def _resize_head(self, num_labels: int) -> None:
         linear = self._heads[0].modules_to_save[self._heads[0].active_adapter]

@@ -13,6 +13,7 @@ from .fedavg import FedAvg, FedProx
 from .fedper import FedPer
 from .matfl import MaTFL
 from .matu import MaTU
+from .ntkfedavg import NTKFedAvg, NTKFedProx
 
 __all__ = [
     "STRATEGIES",
@@ -23,6 +24,8 @@ __all__ = [
     "GlobalState",
     "MaTFL",
     "MaTU",
+    "NTKFedAvg",
+    "NTKFedProx",
     "Strategy",
     "build_strategy",
     "head_name",

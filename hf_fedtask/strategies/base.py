@@ -116,6 +116,11 @@ class Strategy(ABC):
         """What that client's update must contain (keys, shapes, dtypes); by default its downlink."""
         return self.downlink(state, client_id, tasks)
 
+    def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
+        """For strategies that train linearized models (NTKFedAvg): the point `task`'s model is
+        linearized around, so it is evaluated as f_lin at `task_parameters`; None = the ordinary model."""
+        return None
+
     @abstractmethod
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate: ...
 

@@ -1,0 +1,81 @@
+"""NTKFedAvg and NTKFedProx (Muhamed, Mankikar and Smith; algorithms.md §5): FedAvg in which every
+client trains the first-order Taylor expansion of the model (`hf_fedtask.linearize`) instead of the
+model itself.
+
+Client k starts at the server state θ_s and trains f_lin(x; θ) = f(x; θ_lin) + J(x)·(θ − θ_lin),
+with θ_lin = θ_s (`linearize_at="server"`, re-linearized every round; the default) or the
+pretrained/initial θ_0 (`"pretrained"`). It sends τ_k = θ_k − θ_s; the server step, unlearning by
+negation and the task-vector bookkeeping are FedAvg's. The server also keeps the point its current
+state is linearized around (`linearized_at/...`), so the federated model is evaluated as the
+linearized model at θ_s (and, labelled `<metric>_nonlinear`, as the ordinary model at θ_s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from ..linearize import MODES
+from ..taskvector import TaskVector
+from .base import SHARED, ClientJob, GlobalState, head_name, register_strategy
+from .fedavg import FedAvg, FedProx
+
+if TYPE_CHECKING:
+    from ..data.task import Task
+    from ..host import PeftHost
+
+POINT = "linearized_at/"
+LINEARIZE_AT = ("server", "pretrained")
+
+
+@register_strategy
+@dataclass
+class NTKFedAvg(FedAvg):
+    name = "ntkfedavg"
+    paper = ("Muhamed, Mankikar and Smith, Fed Up with Complexity: Simplifying Many-Task Federated Learning "
+             "with NTKFedAvg")
+
+    linearize_at: str = "server"
+    linearization: str = "network"
+
+    def check(self) -> None:
+        if self.linearize_at not in LINEARIZE_AT:
+            raise ConfigError(f"linearize_at must be one of {', '.join(LINEARIZE_AT)}, got {self.linearize_at!r}")
+        if self.linearization not in MODES:
+            raise ConfigError(f"linearization must be one of {', '.join(MODES)}, got {self.linearization!r}")
+
+    def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
+        state = super().init_state(host, tasks, seed, allocation)
+        state.vectors.update(_point_of(state))  # round 0: linearized at the initial θ_0
+        return state
+
+    def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
+        if self.linearize_at == "server":
+            point = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
+        else:
+            point = TaskVector({**job.origin, **job.initial_heads[task]})
+        return {**super()._train_options(downlink, job, task), "linearize_at": point,
+                "linearization": self.linearization}
+
+    def server_aggregate(self, state: GlobalState, updates) -> GlobalState:
+        new = super().server_aggregate(state, updates)
+        if self.linearize_at == "server":  # θ_{s,i+1} is evaluated in the expansion around θ_{s,i}
+            new.vectors.update(_point_of(state))
+        return new
+
+    def linearization_point(self, state: GlobalState, task: str) -> TaskVector:
+        return TaskVector({**state.vectors[POINT + SHARED], **state.vectors[POINT + head_name(task)]})
+
+
+def _point_of(state: GlobalState) -> dict[str, TaskVector]:
+    """The state's shared modules and heads, renamed as a linearization point."""
+    return {POINT + k: v for k, v in state.vectors.items() if k == SHARED or k.startswith(head_name(""))}
+
+
+@register_strategy
+@dataclass
+class NTKFedProx(NTKFedAvg, FedProx):
+    """NTKFedAvg whose clients add FedProx's (μ/2)·‖θ − θ_s‖² (the paper uses μ = 1)."""
+
+    name = "ntkfedprox"
