@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .compact import save_compact
 from .export import save_adapter
 from .hub import render_model_card
+from .linearized_package import save_linearized
 
 if TYPE_CHECKING:
     from .federation import Simulation
@@ -16,6 +19,7 @@ if TYPE_CHECKING:
 
 ADAPTERS_DIR = "adapters"
 COMPACT_DIR = "compact"
+LINEARIZED_DIR = "linearized"
 
 
 def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
@@ -24,7 +28,9 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
     bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned."""
     peft_config = sim.host.model.peft_config["default"]
     cards = {}
-    metrics = {name: {k: v for k, v in r.items() if k == r["metric"]} for name, r in results["tasks"].items()}
+    # a stock adapter is the ordinary model at θ: for linearized runs its metric is `<metric>_nonlinear`
+    metrics = {name: {r["metric"]: r.get(f"{r['metric']}_nonlinear", r[r["metric"]])}
+               for name, r in results["tasks"].items()}
     for task in sim.tasks:
         info = {
             "base_model": sim.base.model_id,
@@ -41,18 +47,22 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
             "participation": sim.config.participation,
             "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
             "modality": task.modality,
-            "extra_notes": (f"Inputs are tokenized with truncation to {sim.config.max_length} tokens."
-                            if task.modality == "text" else "Images are converted to RGB, then prepared by the "
-                            "base model's image processor."),
+            "extra_notes": " ".join(filter(None, [
+                (f"Inputs are tokenized with truncation to {sim.config.max_length} tokens." if task.modality == "text"
+                 else "Images are converted to RGB, then prepared by the base model's image processor."),
+                unlearning_note(results), linearization_note(results, task.name)])),
         }
         cards[task.name] = render_model_card(info)
-        save_adapter(
-            run_dir / ADAPTERS_DIR / task.name,
-            peft_config=peft_config,
-            state_dict=sim.strategy.task_parameters(state, task.name, sim.client_stores),
-            base_model_id=sim.base.model_id,
-            card=cards[task.name],
-        )
+        params = sim.strategy.task_parameters(state, task.name, sim.client_stores)
+        save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
+                     base_model_id=sim.base.model_id, card=cards[task.name])
+        point = sim.strategy.linearization_point(state, task.name)
+        if point is not None:
+            save_linearized(run_dir / LINEARIZED_DIR / task.name, peft_config=peft_config, point=point,
+                            delta=params - point, base_model_id=sim.base.model_id, num_labels=task.num_labels,
+                            mode=sim.strategy.linearization,
+                            info={"task": task.name, "metrics": {k: v for k, v in results["tasks"][task.name].items()
+                                                                 if k.startswith(task.metric)}})
     compact_form = getattr(sim.strategy, "compact_form", None)
     if compact_form is None:
         return None
@@ -65,6 +75,35 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
         card=_compact_card(sim, results),
         overwrite=True,
     )
+
+
+def unlearning_note(results: dict) -> str | None:
+    """The card's account of a removed task: which, how, from which round, and its metric before/after."""
+    u = results.get("unlearning")
+    if not u:
+        return None
+    metric = {t: results["tasks"][t]["metric"] for t in u["tasks"]}
+    change = "; ".join(
+        f"`{t}` {metric[t]} {u['before'][t][metric[t]]:.4f} → {u['after'][t][metric[t]]:.4f}" if u.get("before")
+        else f"`{t}` {metric[t]} {u['after'][t][metric[t]]:.4f}" for t in u["tasks"])
+    if "from_round" in u:
+        how = (f"in rounds {u['from_round']}–{u['from_round'] + u['rounds'] - 1} the updates of the "
+               f"{len(u['clients'])} client(s) holding it were negated before aggregation (NTKFedAvg Alg. 1, lines 8–9)")
+    else:
+        how = f"its accumulated task vector, scaled by {u['scale']}, was subtracted from the merged model (task arithmetic)"
+    return f"**Unlearned task(s) {', '.join(f'`{t}`' for t in u['tasks'])}**: {how}. Before → after: {change}."
+
+
+def linearization_note(results: dict, task: str) -> str | None:
+    """For linearized strategies: which metric belongs to which artifact."""
+    r = results["tasks"][task]
+    metric = r["metric"]
+    if f"{metric}_nonlinear" not in r:
+        return None
+    return (f"**Linearized training.** The clients trained the linearization f(θ_lin) + J(θ_lin)·(θ − θ_lin). "
+            f"This folder holds the final θ as an ordinary (non-linear) adapter: {metric} {r[f'{metric}_nonlinear']:.4f}. "
+            f"The linearized model itself ({metric} {r[metric]:.4f}) is exported as `linearized/{task}/` of the run "
+            "(θ_lin adapter + delta; load it with `hf_fedtask.load_linearized`).")
 
 
 def _compact_card(sim: Simulation, results: dict) -> str:
@@ -118,6 +157,24 @@ def run_report(config, results: dict) -> str:
     return "\n".join(lines)
 
 
+def _headline(record: dict, task: str) -> float:
+    """A round record's headline metric for `task` (the first one its evaluation reports)."""
+    return next(v for k, v in record["eval"][task].items() if k != "num_examples")
+
+
+def unlearning_report(results: dict) -> str:
+    """Console table of an unlearning result: each task's metric before and after, forgotten first."""
+    u = results["unlearning"]
+    lines = [f"unlearned {', '.join(u['tasks'])}: {u['method']}", f"{'task':<22}{'before':>9}{'after':>9}"]
+    order = [*u["tasks"], *(t for t in results["tasks"] if t not in u["tasks"])]
+    for task in order:
+        metric = results["tasks"][task]["metric"]
+        before = f"{u['before'][task][metric]:.4f}" if u.get("before") else "–"
+        mark = " (forgotten; chance {:.3f})".format(results["tasks"][task]["chance"]) if task in u["tasks"] else ""
+        lines.append(f"{task:<22}{before:>9}{u['after'][task][metric]:>9.4f}{mark}")
+    return "\n".join(lines)
+
+
 def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:
     """PNG of each task's metric and the mean over rounds."""
     import matplotlib
@@ -131,10 +188,44 @@ def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Pa
     labelled = len(tasks) <= 10  # beyond that a legend is unreadable: draw tasks in grey
     fig, ax = plt.subplots(figsize=(9 if labelled else 7, 4.5))
     for i, task in enumerate(tasks):
-        values = [next(v for k, v in h["eval"][task].items() if k != "num_examples") for h in history]
+        values = [_headline(h, task) for h in history]
         style = {"color": f"C{i + 1}", "label": task, "linewidth": 1.2} if labelled else {"color": "0.75", "linewidth": 0.8}
         ax.plot(rounds, values, marker="." if labelled else None, **style)
     ax.plot(rounds, [h["mean_metric"] for h in history], color="C0", linewidth=3, label="mean over tasks")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("test metric")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], title: str = "") -> Path:
+    """PNG of the forgotten tasks' metric (with their chance level) and every retained task's, per
+    round, with the round unlearning started marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = [h["round"] for h in history]
+    start = next(h["round"] for h in history if "forgotten" in h)
+    forgotten = list(next(h for h in history if "forgotten" in h)["forgotten"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for task in history[0]["eval"]:
+        values = [_headline(h, task) for h in history]
+        if task in forgotten:
+            line = ax.plot(rounds, values, marker="o", linewidth=2.5, label=f"forgotten: {task}")[0]
+            ax.axhline(chance[task], color=line.get_color(), linestyle=":", linewidth=1, label=f"chance ({task})")
+        else:
+            ax.plot(rounds, values, color="0.75", linewidth=0.8)
+    retained = [float(np.mean([_headline(h, t) for t in h["eval"] if t not in forgotten])) for h in history]
+    ax.plot(rounds, retained, color="C2", linewidth=2.5, marker=".", label="retained tasks (mean; grey: each)")
+    ax.axvline(start - 0.5, color="k", linestyle="--", linewidth=1, label="unlearning starts")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test metric")

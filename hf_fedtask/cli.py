@@ -1,4 +1,4 @@
-"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export, merge.
+"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export, merge, unlearn.
 
 Every failure on bad input is one line on stderr and a non-zero exit; nothing on disk is replaced."""
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .config import add_config_arguments, config_from_args
-from .errors import FedTaskError
+from .errors import ConfigError, FedTaskError
 
 
 def _run(args) -> int:
@@ -21,6 +21,22 @@ def _run(args) -> int:
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)
     print(run_report(config, results))
+    return 0
+
+
+def _unlearn(args) -> int:
+    from .artifacts import unlearning_report
+    from .unlearn import negate_task, unlearn
+
+    if args.one_shot:
+        results = negate_task(args.run_dir, args.task, scale=args.scale, task_vector=args.task_vector,
+                              output_dir=args.output_dir, overwrite=args.overwrite)
+    else:
+        if args.rounds is None:
+            raise ConfigError("unlearn: give --rounds R (federated) or --one-shot")
+        results = unlearn(args.run_dir, args.task, args.rounds, output_dir=args.output_dir, resume=args.resume,
+                          overwrite=args.overwrite)
+    print(unlearning_report(results))
     return 0
 
 
@@ -105,6 +121,16 @@ merged when their shapes agree, else it is an error; unify keeps one head per in
 compact export (hf_fedtask.load_task_adapter) plus each input's adapter under OUT/<name>/."""
 
 
+UNLEARN_HELP = """Remove a task from a finished run; the run itself is left as it is.
+
+Federated (--rounds R): the run continues for R rounds in which the updates of the clients that hold
+the task are negated before aggregation (NTKFedAvg, Alg. 1 lines 8-9); the others train as before.
+It is written, checkpointed (--resume), plotted (unlearning.png) and exported like any run.
+One-shot (--one-shot): θ' = θ − scale·τ_task on the merged model, τ_task being the task's share of
+the run's updates (runs with track_task_vectors: true) or --task-vector. Both print the forgotten
+task's metric and the retained tasks' before and after, and the exported cards say what was removed."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-fedtask", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-adapter", default=None, help="adapter folder holding the PEFT init the task vectors start from")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=_merge)
+
+    p = sub.add_parser("unlearn", help="remove a task from a finished run (federated negation or one-shot)",
+                       description=UNLEARN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a finished run (FedAvg family: fedavg, fedprox, ntkfedavg, ntkfedprox)")
+    p.add_argument("--task", required=True, help="the task to forget")
+    p.add_argument("--rounds", type=int, default=None, help="federated: rounds of negated updates")
+    p.add_argument("--one-shot", action="store_true", help="subtract the task's vector instead of running rounds")
+    p.add_argument("--scale", type=float, default=1.0, help="one-shot: λ in θ − λ·τ_task")
+    p.add_argument("--task-vector", default=None,
+                   help="one-shot: adapter folder or task-vector file (default: the run's recorded task vector)")
+    p.add_argument("--output-dir", default=None, help="default: RUN_DIR-unlearn-TASK (federated), RUN_DIR-negate-TASK")
+    p.add_argument("--resume", action="store_true", help="federated: continue an interrupted unlearning run")
+    p.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")
+    p.set_defaults(func=_unlearn)
 
     p = sub.add_parser("suite", help="builtin task suites")
     suite_sub = p.add_subparsers(dest="suite_command", required=True)

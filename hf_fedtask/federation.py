@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .artifacts import export_adapters, plot_metric_vs_round
+from .artifacts import export_adapters, plot_metric_vs_round, plot_unlearning
 from .builders import build_host, build_trainer
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from .compact import storage_report
@@ -41,6 +41,7 @@ RUN_CONFIG_FILE = "run_config.yaml"
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
 PLOT_FILE = "accuracy_vs_round.png"
+UNLEARNING_PLOT_FILE = "unlearning.png"
 PAYLOADS_DIR = "payloads"
 
 
@@ -227,6 +228,7 @@ class Simulation:
             "eval": evals,
             "mean_metric": float(np.mean(metric_values)),
             **_nonlinear_mean(evals, self.tasks),
+            **_forgetting_metrics(evals, self.tasks, self.config.forget_tasks or []),
             "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
             "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
             "bytes_per_client": {str(c): t for c, t in traffic.items()},
@@ -241,9 +243,11 @@ def run(
     resume: bool = False,
     overwrite: bool = False,
     callbacks: list[Callable[[RoundContext], None]] = (),
+    warm_start: str | Path | None = None,
 ) -> dict:
     """Run (or resume) a federated job described by `config`; returns the results dict that is also
-    written to `output_dir/results.json`."""
+    written to `output_dir/results.json`. `warm_start`: a finished run whose final state (and
+    history) this run continues from, unless `output_dir` has its own checkpoint to resume."""
     build_strategy(config.strategy, config.to_dict())  # fail fast on a bad name
     check_output_dir(config, resume=resume, overwrite=overwrite)
     sim = Simulation(config)  # bad suite/task/model names fail here, before anything is written
@@ -254,6 +258,10 @@ def run(
     history: list[dict] = []
     if resume and (run_dir / CHECKPOINT_FILE).exists():
         state, history, stores = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=state)
+        sim.client_stores.update(stores)
+    elif warm_start is not None:
+        parent = RunConfig.from_yaml(Path(warm_start) / RUN_CONFIG_FILE)
+        state, history, stores = load_checkpoint(Path(warm_start), fingerprint=parent.fingerprint(), template=state)
         sim.client_stores.update(stores)
     write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
     tracker = _Tracker(config, run_dir)
@@ -275,6 +283,9 @@ def run(
     results = summarize_results(sim, state, history)
     if history:
         plot_metric_vs_round(history, run_dir / PLOT_FILE, title=f"{sim.strategy.name} on {config.suite or 'tasks'}")
+    if "unlearning" in results:
+        plot_unlearning(history, run_dir / UNLEARNING_PLOT_FILE, chance={t.name: t.chance for t in sim.tasks},
+                        title=f"{sim.strategy.name}: unlearning {', '.join(config.forget_tasks)}")
     if config.export:
         compact = export_adapters(sim, state, results, run_dir)
         if compact is not None:
@@ -314,7 +325,37 @@ def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) 
         "bytes_uplink": sum(h["bytes_uplink"] for h in history),
         "bytes_downlink": sum(h["bytes_downlink"] for h in history),
         "shared_parameters": sum(t.numel() for t in state.vectors[SHARED].values()),
+        **unlearning_summary(history, sim),
     }
+
+
+def unlearning_summary(history: list[dict], sim: Simulation) -> dict:
+    """`{"unlearning": ...}` for a run that negated the forgotten tasks' updates: from which round,
+    by how many of their clients, and each task's metric before and after (empty otherwise)."""
+    forget = sim.config.forget_tasks or []
+    first = next((h for h in history if "forgotten" in h), None)
+    if first is None:
+        return {}
+    before = next((h for h in reversed(history) if h["round"] < first["round"]), None)
+    holders = sorted(c for c, tasks in sim.allocation.items() if set(tasks) & set(forget))
+    return {"unlearning": {
+        "method": "federated: the updates of the clients holding the forgotten tasks were negated before aggregation",
+        "tasks": forget,
+        "clients": holders,
+        "from_round": first["round"],
+        "rounds": history[-1]["round"] - first["round"] + 1,
+        "before": {t: before["eval"][t] for t in before["eval"]} if before else None,
+        "after": history[-1]["eval"],
+    }}
+
+
+def _forgetting_metrics(evals: dict[str, dict], tasks: list[Task], forget: list[str]) -> dict:
+    """While unlearning: each forgotten task's metric and the mean over the retained tasks."""
+    if not forget:
+        return {}
+    retained = [evals[t.name][t.metric] for t in tasks if t.name not in forget]
+    return {"forgotten": {t.name: evals[t.name][t.metric] for t in tasks if t.name in forget},
+            "retained_mean": float(np.mean(retained)) if retained else None}
 
 
 def _nonlinear_mean(evals: dict[str, dict], tasks: list[Task]) -> dict:

@@ -91,8 +91,8 @@ def merge_inputs(
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise OutputDirError(f"{out} exists and is not empty; pass --overwrite to replace it")
 
-    inputs = [_read_input(p) for p in paths]
-    base = _read_input(base_adapter) if base_adapter is not None else None
+    inputs = [read_input(p) for p in paths]
+    base = read_input(base_adapter) if base_adapter is not None else None
     for x in inputs:
         if x.delta and base is None:
             raise ConfigError(f"{x.source}: a 'delta' task vector is measured from the PEFT init; pass it as --base-adapter")
@@ -149,7 +149,7 @@ def _check_options(n: int, method: str, weights, density, choices: dict[str, tup
     return density
 
 
-def _read_input(path: str | os.PathLike) -> _Input:
+def read_input(path: str | os.PathLike) -> _Input:
     p = Path(path)
     if p.is_dir():
         config_file, weights = p / CONFIG_NAME, p / SAFETENSORS_WEIGHTS_NAME

@@ -12,9 +12,10 @@ from peft import (
 )
 
 from .backbone import INPUT_KINDS
+from .bottleneck import BottleneckConfig
 from .errors import ConfigError
 
-PEFT_METHODS = ("lora", "ia3", "prompt", "prefix")
+PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck")
 
 
 def make_peft_config(
@@ -30,7 +31,9 @@ def make_peft_config(
     """A PEFT config whose `modules_to_save` holds the classification head: text models use PEFT's
     SEQ_CLS task type (which adds the head itself), image models name their `classifier` explicitly.
     `target_modules=None` takes PEFT's per-architecture defaults (query/value for BERT); PEFT has
-    none for ViT, whose query/value projections transformers 5 names q_proj/v_proj."""
+    none for ViT, whose query/value projections transformers 5 names q_proj/v_proj. "bottleneck" is
+    hf_fedtask's Houlsby adapter (`hf_fedtask.bottleneck`), `r` its bottleneck width; its defaults
+    cover BERT-like models and ViT."""
     if modality not in INPUT_KINDS:
         raise ConfigError(f"unknown modality {modality!r}; choose one of {', '.join(INPUT_KINDS)}")
     head = INPUT_KINDS[modality].peft_head
@@ -38,8 +41,12 @@ def make_peft_config(
         return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules, **head)
     if method == "ia3":
         return IA3Config(target_modules=target_modules, **head)
+    if method == "bottleneck":
+        return BottleneckConfig(bottleneck_dim=r, target_modules=target_modules, **head)
     if method in ("prompt", "prefix") and modality != "text":
-        raise ConfigError(f"peft_method {method!r} prepends virtual tokens and needs a text model; use lora or ia3")
+        raise ConfigError(
+            f"peft_method {method!r} prepends virtual tokens and needs a text model; use lora, ia3 or bottleneck"
+        )
     if method == "prompt":
         return PromptTuningConfig(num_virtual_tokens=num_virtual_tokens, **head)
     if method == "prefix":
