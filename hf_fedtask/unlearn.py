@@ -5,9 +5,10 @@
   8–9). It is an ordinary run warm-started from the finished one, so it logs, checkpoints, resumes,
   plots (`unlearning.png`) and exports like any other, into its own folder.
 - **one-shot** (`negate_task`): subtract the task's vector, scaled, from the merged model:
-  θ' = θ − λ·τ_task, where τ_task is the task's accumulated share of the run's updates (recorded
-  with `track_task_vectors`) or a task vector the caller gives (a PEFT adapter folder or
-  task-vector file, measured from the run's PEFT init).
+  θ' = θ − λ·τ_task, where τ_task is the task's accumulated share of the run's updates to the
+  shared modules (recorded with `track_task_vectors`) or a task vector the caller gives (a PEFT
+  adapter folder or task-vector file, measured from the run's PEFT init), plus the change of the
+  task's own head since its initialisation.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .federation import (
     summarize_results,
     write_atomic,
 )
-from .strategies.base import SHARED
+from .strategies.base import SHARED, head_name
 from .strategies.fedavg import task_vector_name
 from .taskvector import TaskVector
 
@@ -71,7 +72,7 @@ def _finished_round(run_dir: Path) -> int:
 
 def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vector: str | Path | None = None,
                 output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
-    """One-shot unlearning: θ' = θ − scale·τ_task on the shared modules of the run's final model,
+    """One-shot unlearning: θ' = θ − scale·τ_task on the run's final model (shared modules and the task's head),
     evaluated on every task and exported (adapters + cards naming the removed task) to
     `output_dir` (default `<run_dir>-negate-<task>`). Returns the results written there."""
     run_dir, parent = _finished_run(run_dir)
@@ -86,6 +87,8 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     tau = _task_vector(state, task, task_vector, sim)
     before = sim.evaluate_all(state)
     state.vectors[SHARED] = state.vectors[SHARED] - tau * scale
+    head = head_name(task)  # the task's own head moved only for this task: its change is part of τ_task
+    state.vectors[head] = state.vectors[head] - (state.vectors[head] - sim.initial_heads[task]) * scale
     after = sim.evaluate_all(state)
     record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
     results = summarize_results(sim, state, [*history, record])

@@ -195,6 +195,8 @@ def test_one_shot_negation_subtracts_the_recorded_task_vector(ntk_run):
     expected = state.vectors[SHARED] - state.vectors[task_vector_name("moods")]
     assert all(torch.allclose(saved[k], expected[k]) for k in expected)
     assert results["unlearning"]["scale"] == 1.0
+    head = load_file(out / "adapters" / "moods" / "adapter_model.safetensors")
+    assert all(torch.allclose(head[k], sim.initial_heads["moods"][k]) for k in sim.initial_heads["moods"])
     assert "subtracted from the merged model" in (out / "adapters" / "moods" / "README.md").read_text()
 
 
