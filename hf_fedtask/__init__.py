@@ -1,20 +1,27 @@
 """hf_fedtask: many-task federated fine-tuning with PEFT modules."""
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["load_task_adapter"]
+__all__ = ["LinearizedModel", "load_linearized", "load_task_adapter", "negate_task", "unlearn"]
+
+_LAZY = {
+    "load_task_adapter": "compact",
+    "load_linearized": "linearized_package",
+    "LinearizedModel": "linearize",
+    "unlearn": "unlearn",
+    "negate_task": "unlearn",
+}
 
 
 def __getattr__(name: str):
-    # Imported on first use: it pulls in torch and peft, which `import hf_fedtask` should not.
-    if name == "load_task_adapter":
-        from .compact import load_task_adapter
-
-        return load_task_adapter
+    # Imported on first use: they pull in torch and peft, which `import hf_fedtask` should not.
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

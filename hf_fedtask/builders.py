@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .backbone import input_kind, resolve_base_model
+from .backbone import BaseModelRef, input_kind, resolve_base_model
 from .client import LocalTrainer, LocalTrainingArgs
 from .config import RunConfig
 from .host import PeftHost
@@ -21,8 +21,20 @@ def build_host(config: RunConfig) -> PeftHost:
         target_modules=config.target_modules,
         num_virtual_tokens=config.num_virtual_tokens,
         modality=input_kind(base).modality,
+        backbone=backbone_name(base) if config.peft_method == "full" else None,
     )
     return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
+
+
+def backbone_name(base: BaseModelRef) -> str:
+    """The classifier's attribute holding the pretrained trunk (`bert`, `vit`, ...), from its class."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    model_type = transformers.AutoConfig.from_pretrained(base.load_path).model_type
+    names = (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if input_kind(base).modality == "text"
+             else modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+    return getattr(transformers, names[model_type]).base_model_prefix
 
 
 def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:

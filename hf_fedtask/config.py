@@ -62,6 +62,10 @@ class RunConfig:
     # NTKFedAvg (algorithms.md §5)
     linearize_at: str = "server"  # server (re-linearize every round) | pretrained
     linearization: str = "network"  # network | lora_layers (L-LoRA)
+    # FedYolo (algorithms.md §4)
+    share: str = "none"  # modules shared by all tasks: none | half (first ⌊L/2⌋ blocks) | all
+    secure_aggregation: bool = False  # privacy variant: K-task slot uploads, pairwise-masked; the server sees sums
+    sample_weighted: bool = False  # weight FedYolo's per-task means by sample counts (the paper: unweighted)
     # MaTU (algorithms.md §3)
     rho: float = 0.4  # agreement-mask threshold
     kappa: int = 2  # cross-task neighbours per task

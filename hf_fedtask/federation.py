@@ -30,6 +30,7 @@ from .data.task import Task
 from .errors import ConfigError, OutputDirError
 from .evaluation import evaluate
 from .reference import shipped_reference
+from .secure_round import open_secure_round
 from .strategies import ClientJob, GlobalState, Strategy, build_strategy
 from .strategies.base import SHARED, ClientStore, head_name
 from .taskvector import TaskVector, peft_config_hash
@@ -137,7 +138,7 @@ class Simulation:
         self.payload_dir: Path | None = None  # set to keep each round's wire bytes on disk
         self.trainer = build_trainer(self.host, config)
         initial = self.initial_state()  # before any training: the seeded PEFT init θ_p and heads
-        self.origin = initial.vectors[SHARED]
+        self.origin = initial.vectors.get(SHARED)  # None when no module is shared (FedYolo, share="none")
         self.initial_heads = {t.name: initial.vectors[head_name(t.name)] for t in self.tasks}
 
     def _check_forget_tasks(self, tasks: dict[str, Task]) -> None:
@@ -195,6 +196,7 @@ class Simulation:
         updates: list[ClientUpdate] = []
         traffic: dict[int, dict[str, int]] = {}
         header = self.header()
+        secure = open_secure_round(self, state, round_, clients)  # None unless uploads are masked and summed
         for cid in tqdm(clients, desc=f"round {round_} clients", leave=False, dynamic_ncols=True):
             tasks = sorted(self.client_data[cid])
             # both directions go through their safetensors bytes, so byte counts are exact
@@ -202,13 +204,20 @@ class Simulation:
             downlink = unpack_vectors(TaskVector.from_bytes(sent, source=f"downlink to client {cid}"))
             job = ClientJob(client_id=cid, round=round_, data=self.client_data[cid], seed=self.config.seed,
                             origin=self.origin, initial_heads=self.initial_heads, store=self.client_stores[cid])
-            payload = self.strategy.client_update(downlink, job, self.trainer).to_bytes(**header)
-            traffic[cid] = {"uplink": len(payload), "downlink": len(sent)}
+            update = self.strategy.client_update(downlink, job, self.trainer)
+            payload = secure.upload(update) if secure else update.to_bytes(**header)
+            # the paper's communication cost T x M x P counts parameters: P = numel of what is sent
+            traffic[cid] = {"uplink": len(payload), "downlink": len(sent),
+                            "params_uplink": sum(tv.numel() for tv in update.vectors.values()),
+                            "params_downlink": sum(tv.numel() for tv in downlink.values())}
             if self.payload_dir is not None:
                 folder = self.payload_dir / f"round_{round_}"
                 folder.mkdir(parents=True, exist_ok=True)
                 write_atomic(folder / f"client_{cid}.uplink.safetensors", payload)
                 write_atomic(folder / f"client_{cid}.downlink.safetensors", sent)
+            if secure:
+                secure.receive(cid, payload)
+                continue
             updates.append(
                 ClientUpdate.from_bytes(
                     payload,
@@ -217,6 +226,8 @@ class Simulation:
                     source=f"client {cid} (round {round_})",
                 )
             )
+        if secure:
+            updates = [secure.finish()]  # the strategy sees the sum only
         state = self.strategy.server_aggregate(state, updates)
         evals = self.evaluate_all(state)
         losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
@@ -232,6 +243,8 @@ class Simulation:
             "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
             "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
             "bytes_per_client": {str(c): t for c, t in traffic.items()},
+            "params_uplink": sum(t["params_uplink"] for t in traffic.values()),
+            "params_downlink": sum(t["params_downlink"] for t in traffic.values()),
             "seconds": round(time.perf_counter() - start, 3),
         }
         return state, record
@@ -324,7 +337,8 @@ def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) 
         "mean_normalized": float(np.mean(normalized)) if len(normalized) == len(tasks) else None,
         "bytes_uplink": sum(h["bytes_uplink"] for h in history),
         "bytes_downlink": sum(h["bytes_downlink"] for h in history),
-        "shared_parameters": sum(t.numel() for t in state.vectors[SHARED].values()),
+        "shared_parameters": sum(t.numel() for t in state.vectors.get(SHARED, {}).values()),
+        **{k: sum(h.get(k, 0) for h in history) for k in ("params_uplink", "params_downlink")},  # T x M x P
         **unlearning_summary(history, sim),
     }
 

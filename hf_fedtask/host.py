@@ -8,6 +8,7 @@ evaluated. Simulating 1,000 clients therefore costs 1,000 small tensor dicts, ne
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -26,11 +27,18 @@ from .errors import ConfigError
 from .linearize import LinearizedModel, linearized
 from .taskvector import TaskVector
 
+HEAD_MODULES = frozenset({"classifier", "score"})
+"""Names of the classification head: what PEFT's SEQ_CLS task type adds to `modules_to_save` and what
+image models name. Other `modules_to_save` (e.g. the backbone for peft_method "full") are not head."""
+
 
 class PeftHost:
     """The single in-memory PEFT model, its input preparer (`inputs`: tokenizer-based for text
     models, image-processor-based for vision models), and the split of its trainable parameters
-    into *shared* PEFT-module keys and *head* keys (the per-task classification head)."""
+    into *shared* PEFT-module keys and *head* keys (the per-task classification head).
+
+    The model starts with PEFT's "default" adapter; `adapter(name)` switches to another named one
+    (same config, same saved keys), as FedYolo does with one adapter per task."""
 
     def __init__(
         self,
@@ -52,29 +60,46 @@ class PeftHost:
             self.model = get_peft_model(load_classifier(base, 2, attn_implementation), peft_config)
         except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
             raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model ({str(e).splitlines()[0]})") from e
-        self._heads = [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+        self._heads = [m for name, m in self.model.named_modules()
+                       if isinstance(m, ModulesToSaveWrapper) and name.rpartition(".")[2] in HEAD_MODULES]
         if len(self._heads) != 1:
             raise ValueError(f"expected one classification head in modules_to_save, found {len(self._heads)}")
-        head_names = set(self.model.modules_to_save or ())
         keys = list(get_peft_model_state_dict(self.model))
-        self.head_keys = [k for k in keys if head_names & set(k.split("."))]
+        self.head_keys = [k for k in keys if HEAD_MODULES & set(k.split("."))]
         self.shared_keys = [k for k in keys if k not in self.head_keys]
         self._keys = set(keys)
 
     # -- parameters as tensors -------------------------------------------------------------
     def state(self) -> TaskVector:
-        """A detached copy of every trainable parameter (shared modules and the active head)."""
-        sd = get_peft_model_state_dict(self.model)
+        """A detached copy of every trainable parameter of the active adapter (shared modules and head)."""
+        sd = get_peft_model_state_dict(self.model, adapter_name=self.model.active_adapter)
         return TaskVector({k: v.detach().clone() for k, v in sd.items()})
 
     def load_state(self, state: TaskVector) -> None:
-        """Copy `state` (shared keys + head keys, saved naming) into the model; resizes the head to
-        the shape in `state`, so tasks with different label counts share one model."""
+        """Copy `state` (shared keys + head keys, saved naming) into the active adapter; resizes its
+        head to the shape in `state`, so tasks with different label counts share one model."""
         self._resize_head(state[self.head_keys[0]].shape[0])
         unknown = [k for k in state if k not in self._keys]
         if unknown:
             raise KeyError(f"unexpected parameter {unknown[0]!r} for this PEFT model")
-        set_peft_model_state_dict(self.model, dict(state))
+        set_peft_model_state_dict(self.model, dict(state), adapter_name=self.model.active_adapter)
+
+    @contextlib.contextmanager
+    def adapter(self, name: str) -> Iterator[None]:
+        """Make the PEFT adapter `name` active (`state`, `load_state`, training and inference then use
+        it), adding it with the host's config on first use; the previous adapter is active again on
+        exit. The new adapter's random init is drawn outside the global RNG stream and is meant to be
+        overwritten with `load_state`."""
+        previous = self.model.active_adapter
+        if name not in self.model.peft_config:
+            with torch.random.fork_rng(devices=[]):
+                # a copy: PEFT appends its head names to the config's modules_to_save when adding
+                self.model.add_adapter(name, copy.deepcopy(self.peft_config))
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(previous)
 
     @contextlib.contextmanager
     def loaded(self, state: TaskVector, linearize_at: TaskVector | None = None,

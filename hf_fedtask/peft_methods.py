@@ -10,12 +10,13 @@ from peft import (
     PrefixTuningConfig,
     PromptTuningConfig,
 )
+from peft.utils.constants import DUMMY_TARGET_MODULES
 
 from .backbone import INPUT_KINDS
 from .bottleneck import BottleneckConfig
 from .errors import ConfigError
 
-PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck")
+PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full")
 
 
 def make_peft_config(
@@ -27,13 +28,16 @@ def make_peft_config(
     target_modules: list[str] | None = None,
     num_virtual_tokens: int = 20,
     modality: str = "text",
+    backbone: str | None = None,
 ) -> PeftConfig:
     """A PEFT config whose `modules_to_save` holds the classification head: text models use PEFT's
     SEQ_CLS task type (which adds the head itself), image models name their `classifier` explicitly.
     `target_modules=None` takes PEFT's per-architecture defaults (query/value for BERT); PEFT has
     none for ViT, whose query/value projections transformers 5 names q_proj/v_proj. "bottleneck" is
     hf_fedtask's Houlsby adapter (`hf_fedtask.bottleneck`), `r` its bottleneck width; its defaults
-    cover BERT-like models and ViT."""
+    cover BERT-like models and ViT. "full" trains the whole `backbone` (the classifier's trunk
+    attribute, e.g. "bert") as a module to save beside the head, in a LoRA config whose target is
+    PEFT's dummy `target_modules` (no LoRA layer): full-update training that loads with stock PEFT."""
     if modality not in INPUT_KINDS:
         raise ConfigError(f"unknown modality {modality!r}; choose one of {', '.join(INPUT_KINDS)}")
     head = INPUT_KINDS[modality].peft_head
@@ -43,6 +47,11 @@ def make_peft_config(
         return IA3Config(target_modules=target_modules, **head)
     if method == "bottleneck":
         return BottleneckConfig(bottleneck_dim=r, target_modules=target_modules, **head)
+    if method == "full":
+        if not backbone:
+            raise ConfigError("peft_method 'full' needs the base model's backbone name (e.g. backbone='bert')")
+        modules = [backbone, *head.get("modules_to_save", [])]
+        return LoraConfig(target_modules=DUMMY_TARGET_MODULES, **{**head, "modules_to_save": modules})
     if method in ("prompt", "prefix") and modality != "text":
         raise ConfigError(
             f"peft_method {method!r} prepends virtual tokens and needs a text model; use lora, ia3 or bottleneck"

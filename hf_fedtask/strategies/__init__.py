@@ -11,6 +11,7 @@ from .base import (
 )
 from .fedavg import FedAvg, FedProx
 from .fedper import FedPer
+from .fedyolo import FedYolo
 from .matfl import MaTFL
 from .matu import MaTU
 from .ntkfedavg import NTKFedAvg, NTKFedProx
@@ -21,6 +22,7 @@ __all__ = [
     "FedAvg",
     "FedPer",
     "FedProx",
+    "FedYolo",
     "GlobalState",
     "MaTFL",
     "MaTU",
