@@ -12,6 +12,7 @@ from .compact import save_compact
 from .export import save_adapter
 from .hub import render_model_card
 from .linearized_package import save_linearized
+from .multi_adapter import PAD_BIAS, save_multi_adapter
 
 if TYPE_CHECKING:
     from .federation import Simulation
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 ADAPTERS_DIR = "adapters"
 COMPACT_DIR = "compact"
 LINEARIZED_DIR = "linearized"
+MULTI_ADAPTER_DIR = "multi_adapter"
 
 
 def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
@@ -63,6 +65,11 @@ def export_adapters(sim: Simulation, state: GlobalState, results: dict, run_dir:
                             mode=sim.strategy.linearization,
                             info={"task": task.name, "metrics": {k: v for k, v in results["tasks"][task.name].items()
                                                                  if k.startswith(task.metric)}})
+    if sim.strategy.per_task_modules:
+        save_multi_adapter(run_dir / MULTI_ADAPTER_DIR, peft_config=peft_config, head_keys=sim.host.head_keys,
+                           task_states={t.name: sim.strategy.task_parameters(state, t.name) for t in sim.tasks},
+                           label_names={t.name: t.label_names for t in sim.tasks}, base_model_id=sim.base.model_id,
+                           card=str(_multi_adapter_card(sim, results, metrics)))
     compact_form = getattr(sim.strategy, "compact_form", None)
     if compact_form is None:
         return None
@@ -104,6 +111,35 @@ def linearization_note(results: dict, task: str) -> str | None:
             f"This folder holds the final θ as an ordinary (non-linear) adapter: {metric} {r[f'{metric}_nonlinear']:.4f}. "
             f"The linearized model itself ({metric} {r[metric]:.4f}) is exported as `linearized/{task}/` of the run "
             "(θ_lin adapter + delta; load it with `hf_fedtask.load_linearized`).")
+
+
+def _multi_adapter_card(sim: Simulation, results: dict, metrics: dict) -> str:
+    first = sim.tasks[0].name
+    width = max(t.num_labels for t in sim.tasks)
+    snippet = (f"```python\nmodel = PeftModel.from_pretrained(base, \"<this folder>\", adapter_name=\"{first}\")  "
+               f"# base with num_labels={width}\nmodel.load_adapter(\"<this folder>/<task>\", adapter_name=\"<task>\")\n"
+               "model.set_adapter(\"<task>\")\n```")
+    info = {
+        "base_model": sim.base.model_id,
+        "task": [t.name for t in sim.tasks],
+        "num_labels": width,
+        "strategy": sim.strategy.name,
+        "strategy_paper": sim.strategy.paper,
+        "peft_method": sim.config.peft_method,
+        "metrics": metrics,
+        "hyperparameters": {**sim.strategy.hyperparameters(), **_training_hparams(sim)},
+        "rounds": results["rounds"],
+        "num_clients": results["num_clients"],
+        "participation": sim.config.participation,
+        "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
+        "modality": sim.tasks[0].modality,
+        "extra_notes": (f"**One adapter per task** (PEFT multi-adapter layout): `{first}` at the root, every other "
+                        f"task in its subfolder, `tasks.json` lists them with their label names. Sharing variant: "
+                        f"`{getattr(sim.strategy, 'share', 'none')}`. Load and switch:\n\n{snippet}\n\n"
+                        f"Heads are padded to {width} classes (padding rows: zero weights, bias {PAD_BIAS:g}); a "
+                        "task's own classes are its first `num_labels` logits."),
+    }
+    return render_model_card(info)
 
 
 def _compact_card(sim: Simulation, results: dict) -> str:

@@ -20,15 +20,19 @@ from .reference import shipped_reference
 INDIVIDUAL = "individual"
 
 
-def run_comparison(base: RunConfig, strategies: list[str], settings: dict[str, dict]) -> dict:
-    """{setting: {strategy: results}} for every pair; `settings` maps a name to RunConfig overrides."""
+def run_comparison(base: RunConfig, methods: list[str] | dict[str, dict], settings: dict[str, dict]) -> dict:
+    """{setting: {method: results}} for every pair. `methods`: strategy names, or method names mapped
+    to RunConfig overrides (e.g. {"full_fedavg": {"strategy": "fedavg", "peft_method": "full"}});
+    `settings` maps a name to RunConfig overrides."""
+    if not isinstance(methods, dict):
+        methods = {name: {"strategy": name} for name in methods}
     table: dict[str, dict] = {}
     for setting, overrides in settings.items():
         table[setting] = {}
-        for strategy in strategies:
-            config = dataclasses.replace(base, strategy=strategy, **overrides,
-                                         output_dir=str(Path(base.output_dir) / setting / strategy))
-            table[setting][strategy] = finished_results(config) or run(
+        for method, method_overrides in methods.items():
+            config = dataclasses.replace(base, **{**method_overrides, **overrides},
+                                         output_dir=str(Path(base.output_dir) / setting / method))
+            table[setting][method] = finished_results(config) or run(
                 config, resume=(Path(config.output_dir) / CHECKPOINT_FILE).exists())
     return table
 

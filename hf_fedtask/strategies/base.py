@@ -93,6 +93,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     paper: ClassVar[str] = ""
+    per_task_modules: ClassVar[bool] = False  # one PEFT module per task: also exported as one multi-adapter folder
 
     def hyperparameters(self) -> dict:
         return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}

@@ -105,6 +105,8 @@ class FedYolo(Strategy):
     paper = ("Zhang et al., FedYolo: Augmenting Federated Learning with Pretrained Transformers, "
              "arXiv 2307.04905, 2023")
 
+    per_task_modules = True
+
     share: str = "none"  # none | half | all
     secure_aggregation: bool = False  # privacy variant: K-slot uploads, pairwise-masked, server sees the sum
     sample_weighted: bool = False  # the paper's mean is unweighted
