@@ -217,3 +217,21 @@ def test_unlearning_needs_a_fedavg_family_strategy(tiny_config):
     tiny_config.forget_tasks = ["colors"]
     with pytest.raises(ConfigError, match="does not support federated unlearning"):
         federation.Simulation(tiny_config)
+
+
+def test_ntkfedprox_adds_the_proximal_term_to_linearized_training(tiny_config):
+    tiny_config.strategy = "ntkfedprox"
+    tiny_config.proximal_mu = 1.0
+    sim = federation.Simulation(tiny_config)
+    state = sim.initial_state()
+    task = min(sim.client_data[0])
+    job = ClientJob(0, 1, sim.client_data[0], seed=0, origin=sim.origin, initial_heads=sim.initial_heads)
+    downlink = sim.strategy.downlink(state, 0, [task])
+    options = sim.strategy._train_options(downlink, job, task)
+    assert options["proximal_mu"] == 1.0 and set(options["linearize_at"]) == set(sim.host.state())
+    start = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
+    data = sim.client_data[0][task]
+    prox, _ = sim.trainer.train(start, data, seed=1, **options)
+    free, _ = sim.trainer.train(start, data, seed=1, linearize_at=options["linearize_at"])
+    # the pull towards θ_s shortens the step
+    assert sum((prox - start)[k].norm() ** 2 for k in start) < sum((free - start)[k].norm() ** 2 for k in start)

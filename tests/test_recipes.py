@@ -91,3 +91,40 @@ def test_comparison_recipe_writes_both_tables(tiny_bert_dir, tiny_tasks_dir, tmp
         assert table[0]["mean"] == run["mean_metric"]
     md = (out / "comparison.md").read_text()
     assert "Single-task clients" in md and "Multi-task clients" in md and (out / "comparison.png").exists()
+
+
+def test_ntkfedavg_recipe_tables_plots_and_unlearning(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    out = tmp_path / "ntk"
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out)
+    flags[flags.index("--num-clients") + 1] = "2"
+    flags[flags.index("--participation") + 1] = "1.0"
+    assert load_recipe("ntkfedavg_8task").main(flags + ["--forget", "colors", "--unlearn-rounds", "1"]) == 0
+    report = (out / "ntkfedavg_8task.md").read_text()
+    assert "| 2 |" in report and "ntkfedavg (same θ, non-linear)" in report
+    assert "| 3 |" in report and "one-shot τ negation" in report  # the unlearning round and the one-shot row
+    for regime in ("one_epoch", "local_work"):
+        for strategy in ("fedavg", "ntkfedavg"):
+            assert json.loads((out / regime / strategy / "results.json").read_text())["rounds"] == 2
+    assert json.loads((out / "unlearn" / "ntkfedavg" / "results.json").read_text())["unlearning"]["tasks"] == ["colors"]
+    assert (out / "accuracy_vs_round.png").stat().st_size > 1000 and (out / "unlearning.png").stat().st_size > 1000
+    assert report.strip() in capsys.readouterr().out
+
+
+def test_fedyolo_recipe_tables_communication_and_personalization(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    out = tmp_path / "fy"
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out)
+    del flags[flags.index("--tasks"):flags.index("--tasks") + 3]  # tasks come from --tasks-order here
+    del flags[flags.index("--num-clients"):flags.index("--num-clients") + 2]  # 4 clients per task
+    flags[flags.index("--rounds") + 1] = "1"
+    flags[flags.index("--local-steps") + 1] = "1"
+    flags += ["--tasks-order", *tiny_tasks_dir]
+    module = load_recipe("fedyolo_multitask")
+    assert module.main(flags) == 0
+    report = (out / "fedyolo_multitask.md").read_text()
+    for method in ("fedyolo", "fedyolo_share_half", "modular_fedavg", "full_fedavg", "fedyolo_secure"):
+        assert f"| {method} |" in report
+    assert "Full-update / modular FedAvg communication" in report and "Privacy variant" in report
+    assert "forgetting ratio" in report and (out / "task0_vs_tasks.png").stat().st_size > 1000
+    full = json.loads((out / "2_tasks" / "full_fedavg" / "results.json").read_text())
+    modular = json.loads((out / "2_tasks" / "modular_fedavg" / "results.json").read_text())
+    assert full["params_uplink"] > 100 * modular["params_uplink"]
