@@ -137,6 +137,9 @@ class Simulation:
         self.client_stores: dict[int, ClientStore] = {cid: {} for cid in range(len(self.client_data))}
         self.payload_dir: Path | None = None  # set to keep each round's wire bytes on disk
         self.trainer = build_trainer(self.host, config)
+        if getattr(self.strategy, "secure_aggregation", False) and self.clients_per_round < 2:
+            raise ConfigError(f"secure_aggregation needs at least 2 clients per round, this run samples "
+                              f"{self.clients_per_round}: raise participation or num_clients")
         initial = self.initial_state()  # before any training: the seeded PEFT init θ_p and heads
         self.origin = initial.vectors.get(SHARED)  # None when no module is shared (FedYolo, share="none")
         self.initial_heads = {t.name: initial.vectors[head_name(t.name)] for t in self.tasks}
@@ -172,9 +175,12 @@ class Simulation:
 
     def sample_clients(self, round_: int) -> list[int]:
         """Participation ξ: a seeded sample of ⌈ξ·N⌉ clients, a function of (seed, round) only."""
-        m = max(1, int(np.ceil(self.config.participation * self.num_clients - 1e-9)))
         rng = np.random.default_rng([self.config.seed, round_])
-        return sorted(int(c) for c in rng.choice(self.num_clients, size=m, replace=False))
+        return sorted(int(c) for c in rng.choice(self.num_clients, size=self.clients_per_round, replace=False))
+
+    @property
+    def clients_per_round(self) -> int:
+        return max(1, int(np.ceil(self.config.participation * self.num_clients - 1e-9)))
 
     def evaluate_all(self, state: GlobalState) -> dict[str, dict]:
         """Each task's metric. For linearized strategies it is the linearized model's, and the

@@ -332,3 +332,11 @@ def test_local_only_never_serializes_anything(tiny_config, monkeypatch):
     assert set(report) == set(TASKS)
     for r in report.values():
         assert len(r["per_client"]) == 2 and r["accuracy"] == pytest.approx(sum(r["per_client"]) / 2)
+
+
+def test_secure_aggregation_with_one_client_per_round_is_refused_before_anything_is_written(yolo_config):
+    yolo_config.secure_aggregation = True
+    yolo_config.participation = 0.01
+    with pytest.raises(ConfigError, match="at least 2 clients per round"):
+        federation.run(yolo_config)
+    assert not Path(yolo_config.output_dir).exists()
