@@ -9,7 +9,9 @@ sequences of exactly 32 tokens, 2 threads. Three steps are timed in rotating ord
 * normal: the PEFT model as hf_fedtask builds it (sdpa attention, transformers' default);
 * normal-eager: the same model with eager attention (what the linearized model must use, since
   sdpa's fused CPU kernel has no forward-mode AD);
-* linearized: `LinearizedModel(model)` (whole-network, `torch.func.jvp` over `functional_call`).
+* linearized: `LinearizedModel(twin)` (whole-network, `torch.func.jvp` over `functional_call`) on an
+  identical second copy of the model, wrapped once for the whole benchmark as for a client's round
+  (the wrapper routes frozen linears through a one-matmul forward-mode rule while it lives).
 
 Ratios are medians over rounds of per-round ratios (robust to slow drift of machine speed); a round
 during which other processes used more than `--max-foreign-cpu` of the CPUs is re-run. Gradients of
@@ -48,24 +50,25 @@ def main():
     from hf_fedtask.linearize import LinearizedModel
     from hf_fedtask.peft_methods import make_peft_config
 
-    torch.manual_seed(0)
-    model = get_peft_model(load_classifier(resolve_base_model(DEFAULT_BASE_MODEL), 4), make_peft_config("lora"))
+    def build():
+        torch.manual_seed(0)
+        return get_peft_model(load_classifier(resolve_base_model(DEFAULT_BASE_MODEL), 4), make_peft_config("lora"))
+
+    model, twin = build(), build()  # the ordinary model, and an identical one that stays wrapped
     gen = torch.Generator().manual_seed(1)
     batch = {"input_ids": torch.randint(1000, 20000, (args.batch, args.tokens), generator=gen),
              "attention_mask": torch.ones(args.batch, args.tokens, dtype=torch.long),
              "labels": torch.randint(0, 4, (args.batch,), generator=gen)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    lin = LinearizedModel(model)
-    lin.restore()  # back to sdpa; each step below sets the attention it needs
+    lin = LinearizedModel(twin)  # lives for the whole benchmark, as for a client's whole round
 
     def step(which):
-        model.set_attn_implementation("sdpa" if which == "normal" else "eager")
+        if which != "linearized":
+            model.set_attn_implementation("sdpa" if which == "normal" else "eager")
         runner = lin if which == "linearized" else model
         runner.train()
         torch.manual_seed(0)
         loss = runner(**batch).loss
-        grads = torch.autograd.grad(loss, params)
-        return grads
+        return torch.autograd.grad(loss, [p for p in runner.parameters() if p.requires_grad])
 
     g_lin, g_eager = step("linearized"), step("normal-eager")
     max_diff = max((a - b).abs().max().item() for a, b in zip(g_lin, g_eager, strict=True))

@@ -51,6 +51,33 @@ def _tangent_forward(module: nn.Module, names: list[str], point: list[torch.Tens
     return jvp(f, tuple(point), deltas)
 
 
+class _FrozenLinear(torch.autograd.Function):
+    """`F.linear` with a frozen weight and bias, whose forward-mode derivative is the one matmul
+    F.linear(x_t, W). The generic `addmm` formula under `torch.func.jvp` also spends a matmul on the
+    weight's (zero) tangent and another in the backward pass: in the linearized network, where every
+    frozen linear carries a tangent, this is about 30% of a training step (benchmarks/linearize_bench.py)."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.weight = inputs[1]
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t):
+        return F.linear(x_t, ctx.weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.weight, None, None
+
+
+def _frozen_linear_forward(module: nn.Linear):
+    return lambda x: _FrozenLinear.apply(x, module.weight, module.bias)
+
+
 def _attention_of(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
@@ -94,6 +121,8 @@ class LinearizedModel(nn.Module):
         self._patched: list[nn.Module] = []
         if mode == "lora_layers":
             self._linearize_lora_layers()
+        else:
+            self._use_frozen_linears()
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, labels: torch.Tensor | None = None, **inputs) -> SequenceClassifierOutput:
@@ -132,8 +161,15 @@ class LinearizedModel(nn.Module):
             layer.forward = _layer_linearizer(layer, names, point)  # instance attribute; restore() deletes it
             self._patched.append(layer)
 
+    def _use_frozen_linears(self) -> None:
+        """Route every `nn.Linear` without trainable parameters through `_FrozenLinear`."""
+        for module in self.model.modules():
+            if type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters()):
+                module.forward = _frozen_linear_forward(module)  # instance attribute; restore() deletes it
+                self._patched.append(module)
+
     def restore(self) -> None:
-        """Undo what wrapping changed on the model (patched LoRA layers, attention implementation)."""
+        """Undo what wrapping changed on the model (patched layers, attention implementation)."""
         for layer in self._patched:
             del layer.forward
         self._patched.clear()

@@ -103,9 +103,11 @@ def test_switches_to_eager_attention_and_restores(tiny_bert_dir, batch):
     model = get_peft_model(base, LoraConfig(r=4, task_type="SEQ_CLS", init_lora_weights=False))
     with linearized(model) as lin:
         assert model.config._attn_implementation == "eager"
+        assert any("forward" in vars(m) for m in model.modules())  # frozen linears take the one-matmul rule
         lin.train()
         lin(**batch).loss.backward()  # forward-mode AD through attention works
     assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_lora_layers_mode_is_l_lora(tiny_bert_dir, batch):
