@@ -193,7 +193,7 @@ def run_report(config, results: dict) -> str:
     return "\n".join(lines)
 
 
-def _headline(record: dict, task: str) -> float:
+def headline_metric(record: dict, task: str) -> float:
     """A round record's headline metric for `task` (the first one its evaluation reports)."""
     return next(v for k, v in record["eval"][task].items() if k != "num_examples")
 
@@ -211,63 +211,62 @@ def unlearning_report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:
-    """PNG of each task's metric and the mean over rounds."""
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_round_plot(fig, ax, path: Path, title: str) -> Path:
+    """Label a per-round metric plot (integer round ticks, legend right of the axes), save it as PNG."""
     from matplotlib.ticker import MaxNLocator
 
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("test metric")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:
+    """PNG of each task's metric and the mean over rounds."""
+    plt = _pyplot()
     rounds = [h["round"] for h in history]
     tasks = list(history[0]["eval"])
     labelled = len(tasks) <= 10  # beyond that a legend is unreadable: draw tasks in grey
     fig, ax = plt.subplots(figsize=(9 if labelled else 7, 4.5))
     for i, task in enumerate(tasks):
-        values = [_headline(h, task) for h in history]
+        values = [headline_metric(h, task) for h in history]
         style = {"color": f"C{i + 1}", "label": task, "linewidth": 1.2} if labelled else {"color": "0.75", "linewidth": 0.8}
         ax.plot(rounds, values, marker="." if labelled else None, **style)
     ax.plot(rounds, [h["mean_metric"] for h in history], color="C0", linewidth=3, label="mean over tasks")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel("test metric")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_round_plot(fig, ax, path, title)
 
 
 def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], title: str = "") -> Path:
     """PNG of the forgotten tasks' metric (with their chance level) and every retained task's, per
     round, with the round unlearning started marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
+    plt = _pyplot()
     rounds = [h["round"] for h in history]
     start = next(h["round"] for h in history if "forgotten" in h)
     forgotten = list(next(h for h in history if "forgotten" in h)["forgotten"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for task in history[0]["eval"]:
-        values = [_headline(h, task) for h in history]
+        values = [headline_metric(h, task) for h in history]
         if task in forgotten:
             line = ax.plot(rounds, values, marker="o", linewidth=2.5, label=f"forgotten: {task}")[0]
             ax.axhline(chance[task], color=line.get_color(), linestyle=":", linewidth=1, label=f"chance ({task})")
         else:
             ax.plot(rounds, values, color="0.75", linewidth=0.8)
-    retained = [float(np.mean([_headline(h, t) for t in h["eval"] if t not in forgotten])) for h in history]
+    retained = [float(np.mean([headline_metric(h, t) for t in h["eval"] if t not in forgotten])) for h in history]
     ax.plot(rounds, retained, color="C2", linewidth=2.5, marker=".", label="retained tasks (mean; grey: each)")
     ax.axvline(start - 0.5, color="k", linestyle="--", linewidth=1, label="unlearning starts")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel("test metric")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_round_plot(fig, ax, path, title)

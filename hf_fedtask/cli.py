@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -49,14 +48,9 @@ def _inspect(args) -> int:
 
 def _export(args) -> int:
     from .artifacts import ADAPTERS_DIR, export_adapters
-    from .checkpoint import load_checkpoint
-    from .config import RunConfig
-    from .federation import RUN_CONFIG_FILE, Simulation, summarize_results
+    from .federation import open_finished_run, summarize_results
 
-    config = RunConfig.from_yaml(os.path.join(args.run_dir, RUN_CONFIG_FILE))
-    sim = Simulation(config)
-    state, history, stores = load_checkpoint(args.run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
-    sim.client_stores.update(stores)
+    sim, state, history = open_finished_run(args.run_dir)
     compact = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
     for task in sim.tasks:
         print(Path(args.run_dir) / ADAPTERS_DIR / task.name)

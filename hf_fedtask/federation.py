@@ -276,12 +276,9 @@ def run(
     state = sim.initial_state()
     history: list[dict] = []
     if resume and (run_dir / CHECKPOINT_FILE).exists():
-        state, history, stores = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=state)
-        sim.client_stores.update(stores)
+        state, history = restore(sim, run_dir, config.fingerprint())
     elif warm_start is not None:
-        parent = RunConfig.from_yaml(Path(warm_start) / RUN_CONFIG_FILE)
-        state, history, stores = load_checkpoint(Path(warm_start), fingerprint=parent.fingerprint(), template=state)
-        sim.client_stores.update(stores)
+        state, history = restore(sim, warm_start, RunConfig.from_yaml(Path(warm_start) / RUN_CONFIG_FILE).fingerprint())
     write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
     tracker = _Tracker(config, run_dir)
     header = sim.header()
@@ -311,6 +308,21 @@ def run(
             results["compact_storage"] = storage_report(compact)
     write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results
+
+
+def restore(sim: Simulation, run_dir: str | Path, fingerprint: str) -> tuple[GlobalState, list[dict]]:
+    """The state and history in `run_dir`'s checkpoint (of the run with `fingerprint`), validated
+    against `sim`'s initial state; the clients' stores go back into `sim`."""
+    state, history, stores = load_checkpoint(Path(run_dir), fingerprint=fingerprint, template=sim.initial_state())
+    sim.client_stores.update(stores)
+    return state, history
+
+
+def open_finished_run(run_dir: str | Path) -> tuple[Simulation, GlobalState, list[dict]]:
+    """A run folder's Simulation (from its saved config), final state and history."""
+    config = RunConfig.from_yaml(Path(run_dir) / RUN_CONFIG_FILE)
+    sim = Simulation(config)
+    return (sim, *restore(sim, run_dir, config.fingerprint()))
 
 
 def summarize_results(sim: Simulation, state: GlobalState, history: list[dict]) -> dict:

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import load_checkpoint
 from .client import LocalTrainer
 from .config import RunConfig
 from .evaluation import evaluate
-from .federation import RUN_CONFIG_FILE, Simulation
+from .federation import Simulation, open_finished_run
 from .strategies import ClientJob, GlobalState
 
 
@@ -60,7 +59,7 @@ def personalize(run: Simulation | str | Path, epochs: float = 1.0, state: Global
             raise ValueError("personalize: give the final `state` with a Simulation, or pass the run's folder")
         sim = run
     else:
-        sim, state = open_finished_run(run)
+        sim, state, _ = open_finished_run(run)
     before = sim.evaluate_all(state)
     after = fine_tune_locally(sim, state, epochs=epochs)
     out = {}
@@ -81,14 +80,3 @@ def local_only(run: Simulation | RunConfig) -> dict:
     scores = fine_tune_locally(sim, sim.initial_state(), **budget)
     return {t.name: {"metric": t.metric, t.metric: float(np.mean(scores[t.name])), "per_client": scores[t.name]}
             for t in sim.tasks}
-
-
-def open_finished_run(run_dir: str | Path) -> tuple[Simulation, GlobalState]:
-    """A run folder's Simulation (from its saved config) and final state (its checkpoint, with the
-    clients' stores)."""
-    run_dir = Path(run_dir)
-    config = RunConfig.from_yaml(run_dir / RUN_CONFIG_FILE)
-    sim = Simulation(config)
-    state, _, stores = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
-    sim.client_stores.update(stores)
-    return sim, state

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .artifacts import export_adapters
-from .checkpoint import CHECKPOINT_FILE, load_checkpoint
+from .checkpoint import CHECKPOINT_FILE
 from .config import RunConfig
 from .errors import ConfigError, OutputDirError
 from .federation import (
@@ -29,6 +29,7 @@ from .federation import (
     Simulation,
     check_output_dir,
     claim_output_dir,
+    restore,
     run,
     summarize_results,
     write_atomic,
@@ -82,8 +83,7 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     sim = Simulation(config)
     if task not in {t.name for t in sim.tasks}:
         raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(t.name for t in sim.tasks)}")
-    state, history, stores = load_checkpoint(run_dir, fingerprint=parent.fingerprint(), template=sim.initial_state())
-    sim.client_stores.update(stores)
+    state, history = restore(sim, run_dir, parent.fingerprint())
     tau = _task_vector(state, task, task_vector, sim)
     before = sim.evaluate_all(state)
     state.vectors[SHARED] = state.vectors[SHARED] - tau * scale

@@ -27,6 +27,7 @@ if "--preset" not in sys.argv:
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from hf_fedtask.artifacts import headline_metric  # noqa: E402
 from hf_fedtask.checkpoint import CHECKPOINT_FILE  # noqa: E402
 from hf_fedtask.compare import run_comparison  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
@@ -159,7 +160,7 @@ def _columns(by_strategy: dict) -> list[str]:
 
 
 def _retained(record: dict, forget: str) -> float:
-    values = [next(v for k, v in ev.items() if k != "num_examples") for t, ev in record["eval"].items() if t != forget]
+    values = [headline_metric(record, t) for t in record["eval"] if t != forget]
     return sum(values) / len(values)
 
 
