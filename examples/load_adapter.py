@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hf_fedtask.standalone import load_adapter_model
+from hf_fedtask.export.standalone import load_adapter_model
 
 
 def main(adapter_dir: str, texts: list[str]) -> list[str]:

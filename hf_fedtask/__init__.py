@@ -10,11 +10,11 @@ __version__ = "0.1.0"
 __all__ = ["LinearizedModel", "load_linearized", "load_task_adapter", "negate_task", "unlearn"]
 
 _LAZY = {
-    "load_task_adapter": "compact",
-    "load_linearized": "linearized_package",
-    "LinearizedModel": "linearize",
-    "unlearn": "unlearn",
-    "negate_task": "unlearn",
+    "load_task_adapter": "export.compact",
+    "load_linearized": "export.linearized",
+    "LinearizedModel": "model.linearize",
+    "unlearn": "workflows.unlearn",
+    "negate_task": "workflows.unlearn",
 }
 
 
@@ -25,7 +25,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# hf_fedtask's own PEFT method (the bottleneck adapter, `hf_fedtask.bottleneck`) registers itself
+# hf_fedtask's own PEFT method (the bottleneck adapter, `hf_fedtask.model.bottleneck`) registers itself
 # with peft when imported, after which stock `PeftModel.from_pretrained` loads its adapters. So that
 # `import hf_fedtask` is enough without importing torch and peft here (seconds, paid by every CLI
 # call), the registration runs now if peft is already loaded, else right after peft's own import.
@@ -33,7 +33,7 @@ def __getattr__(name: str):
 
 def _register_peft_methods() -> None:
     try:
-        importlib.import_module(f"{__name__}.bottleneck")
+        importlib.import_module(f"{__name__}.model.bottleneck")
     except (ImportError, AttributeError, TypeError, KeyError, ValueError) as e:  # never break `import peft`
         warnings.warn(f"hf_fedtask could not register its bottleneck PEFT method with peft: {e!r}", stacklevel=2)
 

@@ -9,13 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-from .config import add_config_arguments, config_from_args
-from .errors import ConfigError, FedTaskError
+from hf_fedtask.config import add_config_arguments, config_from_args
+from hf_fedtask.errors import ConfigError, FedTaskError
 
 
 def _run(args) -> int:
-    from .artifacts import run_report
-    from .federation import run
+    from hf_fedtask.export.artifacts import run_report
+    from hf_fedtask.engine.run import run
 
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)
@@ -24,8 +24,8 @@ def _run(args) -> int:
 
 
 def _unlearn(args) -> int:
-    from .artifacts import unlearning_report
-    from .unlearn import negate_task, unlearn
+    from hf_fedtask.export.artifacts import unlearning_report
+    from hf_fedtask.workflows.unlearn import negate_task, unlearn
 
     if args.one_shot:
         results = negate_task(args.run_dir, args.task, scale=args.scale, task_vector=args.task_vector,
@@ -40,15 +40,15 @@ def _unlearn(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .taskvector import inspect_file
+    from hf_fedtask.core.taskvector import inspect_file
 
     print(inspect_file(args.file))
     return 0
 
 
 def _export(args) -> int:
-    from .artifacts import ADAPTERS_DIR, export_adapters
-    from .federation import open_finished_run, summarize_results
+    from hf_fedtask.export.artifacts import ADAPTERS_DIR, export_adapters
+    from hf_fedtask.engine.run import open_finished_run, summarize_results
 
     sim, state, history = open_finished_run(args.run_dir)
     compact = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
@@ -60,14 +60,14 @@ def _export(args) -> int:
 
 
 def _evaluate(args) -> int:
-    from .standalone import evaluate_adapter
+    from hf_fedtask.export.standalone import evaluate_adapter
 
     print(json.dumps(evaluate_adapter(args.adapter_dir, args.task, split=args.split, max_length=args.max_length)))
     return 0
 
 
 def _push(args) -> int:
-    from .hub import push_to_hub
+    from hf_fedtask.export.hub import push_to_hub
 
     url = push_to_hub(args.folder, args.repo_id, token=args.token, private=args.private, endpoint=args.endpoint)
     print(url)
@@ -75,7 +75,7 @@ def _push(args) -> int:
 
 
 def _suite_export(args) -> int:
-    from .data import export_suite
+    from hf_fedtask.data import export_suite
 
     for path in export_suite(args.name, args.out_dir, seed=args.seed):
         print(path)
@@ -83,8 +83,8 @@ def _suite_export(args) -> int:
 
 
 def _merge(args) -> int:
-    from .errors import ConfigError
-    from .merge_cli import merge_inputs
+    from hf_fedtask.errors import ConfigError
+    from hf_fedtask.workflows.merge_adapters import merge_inputs
 
     weights = None
     if args.weights is not None:
@@ -97,7 +97,7 @@ def _merge(args) -> int:
                        dare_variant=args.dare_variant, rescaler=args.rescaler, base_adapter=args.base_adapter,
                        overwrite=args.overwrite)
     if args.method == "unify":
-        from .compact import storage_report
+        from hf_fedtask.export.compact import storage_report
 
         report = storage_report(out)
         print(f"compact export: {report['compact_bytes']} bytes vs {report['separate_bytes']} bytes for "

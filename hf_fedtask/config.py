@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from .backbone import DEFAULT_BASE_MODEL
-from .errors import ConfigError
+from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+from hf_fedtask.errors import ConfigError
 
 
 @dataclass

@@ -30,11 +30,11 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from hf_fedtask.compare import finished_results, run_comparison  # noqa: E402
+from hf_fedtask.workflows.compare import finished_results, run_comparison  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.federation import write_atomic  # noqa: E402
-from hf_fedtask.personalize import local_only, personalize  # noqa: E402
-from hf_fedtask.recipe import recipe_config, recipe_parser  # noqa: E402
+from hf_fedtask.engine.run import write_atomic  # noqa: E402
+from hf_fedtask.workflows.personalize import local_only, personalize  # noqa: E402
+from hf_fedtask.workflows.recipe import recipe_config, recipe_parser  # noqa: E402
 
 TASKS = ["first_name_gender", "first_name_origin", "vader_polarity", "langid_germanic"]
 DEFAULTS = {

@@ -16,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.config import add_config_arguments, config_from_args
-from hf_fedtask.federation import load_tasks
-from hf_fedtask.reference import individual_centralized, reference_record
+from hf_fedtask.engine.run import load_tasks
+from hf_fedtask.data.reference import individual_centralized, reference_record
 
 
 def main(argv=None) -> int:

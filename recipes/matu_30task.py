@@ -22,7 +22,7 @@ if "--preset" not in sys.argv:  # the default job needs no network (the paper pr
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from hf_fedtask.recipe import presets_beside, run_recipe
+from hf_fedtask.workflows.recipe import presets_beside, run_recipe
 
 DEFAULTS = {
     "strategy": "matu",

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_fedtask import federation
+from hf_fedtask.engine import run as federation
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
 from hf_fedtask.strategies.fedper import PERSONAL, last_block_keys
 from hf_fedtask.strategies.matfl import model_name
-from hf_fedtask.taskvector import TaskVector
-from hf_fedtask.update import ClientUpdate
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 
 
 def test_last_block_keys_picks_the_highest_numbered_blocks():
@@ -42,7 +42,7 @@ def test_fedper_personal_layers_and_heads_never_travel_and_survive_resume(tiny_c
         assert not personal & set(keys) and not any(k in sim.host.head_keys for k in keys), path.name
     tiny_config.rounds = 2
     federation.run(tiny_config, resume=True)  # the stores come back from the checkpoint
-    from hf_fedtask.checkpoint import load_checkpoint
+    from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, stores = load_checkpoint(Path(tiny_config.output_dir), fingerprint=tiny_config.fingerprint(),
                                        template=sim.initial_state())

@@ -1,4 +1,4 @@
-"""The hand-written Houlsby bottleneck adapter (`hf_fedtask.bottleneck`) as a PEFT method: shapes,
+"""The hand-written Houlsby bottleneck adapter (`hf_fedtask.model.bottleneck`) as a PEFT method: shapes,
 identity init, save/load through stock PEFT (also in a fresh process after just `import hf_fedtask`),
 several adapters, training with `transformers.Trainer`, the `make_peft_config` entry and the
 state-dict round trip the project swaps adapter states with. Tiny random BERT and ViT, no network."""
@@ -23,8 +23,8 @@ from transformers import (
     ViTForImageClassification,
 )
 
-from hf_fedtask.bottleneck import NON_LINEARITIES, BottleneckConfig, BottleneckLayer
-from hf_fedtask.peft_methods import PEFT_METHODS, make_peft_config
+from hf_fedtask.model.bottleneck import NON_LINEARITIES, BottleneckConfig, BottleneckLayer
+from hf_fedtask.model.peft_methods import PEFT_METHODS, make_peft_config
 
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 37,
              "vocab_size": 100, "max_position_embeddings": 64, "num_labels": 3}
@@ -190,9 +190,9 @@ def test_state_dict_round_trip_into_a_second_model_with_adapter_name_free_keys()
 
 @pytest.mark.parametrize("modality", ["text", "image"])
 def test_project_host_swaps_bottleneck_states(modality, tiny_bert_dir, tiny_vit_dir):
-    from hf_fedtask.backbone import resolve_base_model
-    from hf_fedtask.host import PeftHost
-    from hf_fedtask.taskvector import TaskVector
+    from hf_fedtask.model.backbone import resolve_base_model
+    from hf_fedtask.model.host import PeftHost
+    from hf_fedtask.core.taskvector import TaskVector
 
     host = PeftHost(resolve_base_model(tiny_bert_dir if modality == "text" else tiny_vit_dir),
                     make_peft_config("bottleneck", r=4, modality=modality))

@@ -8,8 +8,8 @@ from peft import IA3Config, LoraConfig, PeftModel, PromptTuningConfig, get_peft_
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
-from hf_fedtask import export
-from hf_fedtask.export import save_adapter
+from hf_fedtask.export import adapter as export
+from hf_fedtask.export.adapter import save_adapter
 
 NUM_LABELS = 3
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_fedtask import federation
+from hf_fedtask.engine import run as federation
 from hf_fedtask.cli import main
 from hf_fedtask.config import RunConfig
 from hf_fedtask.errors import OutputDirError, TaskVectorError
@@ -53,7 +53,7 @@ def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_confi
     federation.run(tiny_config)
     run_dir = Path(tiny_config.output_dir)
     sim = federation.Simulation(tiny_config)
-    from hf_fedtask.checkpoint import load_checkpoint
+    from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(), template=sim.initial_state())
     tok = AutoTokenizer.from_pretrained(tiny_bert_dir)
@@ -68,7 +68,7 @@ def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_confi
 
 
 def test_standalone_evaluation_matches_results_json(tiny_config, tiny_tasks_dir):
-    from hf_fedtask.standalone import evaluate_adapter
+    from hf_fedtask.export.standalone import evaluate_adapter
 
     results = federation.run(tiny_config)
     run_dir = Path(tiny_config.output_dir)
@@ -183,7 +183,7 @@ def test_fedprox_term_pulls_clients_toward_the_server(tiny_config, tmp_path):
 def test_proximal_loss_is_half_mu_times_squared_distance(tiny_config, tmp_path):
     from transformers import TrainingArguments
 
-    from hf_fedtask.client import _ProximalTrainer
+    from hf_fedtask.client.trainer import _ProximalTrainer
 
     sim = federation.Simulation(tiny_config)
     task = next(iter(sim.client_data[0]))

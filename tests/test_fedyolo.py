@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_fedtask import federation
-from hf_fedtask.checkpoint import load_checkpoint
+from hf_fedtask.engine import run as federation
+from hf_fedtask.core.checkpoint import load_checkpoint
 from hf_fedtask.errors import ConfigError, TaskVectorError
-from hf_fedtask.personalize import forgetting_ratio, local_only, personalize
-from hf_fedtask.secagg import SecAggServer, encode_fixed_point
-from hf_fedtask.secure_round import SecureRound
+from hf_fedtask.workflows.personalize import forgetting_ratio, local_only, personalize
+from hf_fedtask.core.secagg import SecAggServer, encode_fixed_point
+from hf_fedtask.engine.secure import SecureRound
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED
 from hf_fedtask.strategies.fedyolo import COUNTS, MODULE, adapter_name, block_index, shared_module_keys
-from hf_fedtask.taskvector import TaskVector
-from hf_fedtask.update import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 
 TASKS = ("colors", "moods")
 

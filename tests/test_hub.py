@@ -11,8 +11,8 @@ from peft import LoraConfig, get_peft_model_state_dict
 from test_export import tiny_peft_model
 
 from hf_fedtask.errors import HubError
-from hf_fedtask.export import save_adapter
-from hf_fedtask.hub import push_to_hub, render_model_card
+from hf_fedtask.export.adapter import save_adapter
+from hf_fedtask.export.hub import push_to_hub, render_model_card
 
 INFO = {
     "base_model": "me/tiny-bert",

@@ -1,12 +1,12 @@
-"""The linearization identities of `hf_fedtask.linearize` on a tiny random BERT with LoRA (B ≠ 0)."""
+"""The linearization identities of `hf_fedtask.model.linearize` on a tiny random BERT with LoRA (B ≠ 0)."""
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch.func import functional_call, jacrev
 
-from hf_fedtask.backbone import load_classifier, resolve_base_model
-from hf_fedtask.linearize import LinearizationError, LinearizedModel, linearized
+from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+from hf_fedtask.model.linearize import LinearizationError, LinearizedModel, linearized
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_fedtask import federation
+from hf_fedtask.engine import run as federation
 from hf_fedtask.merge.bitmask import unpack_bits
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
@@ -21,8 +21,8 @@ from hf_fedtask.strategies.matu import (
     encode_wire,
     task_vector_name,
 )
-from hf_fedtask.taskvector import TaskVector
-from hf_fedtask.update import ClientUpdate
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 
 SHAPES = {"a.lora_A.weight": (4, 6), "a.lora_B.weight": (6, 4), "b.lora_A.weight": (3, 5)}
 HEAD = {"classifier.modules_to_save.default.weight": (2, 4), "classifier.modules_to_save.default.bias": (2,)}
@@ -202,8 +202,10 @@ def test_bfloat16_wire_halves_the_unified_vector_and_decodes_close():
     vectors = {t: random_tv(gen, {"w": (64, 64)}) for t in ("a", "b")}
     f32, bf16 = encode_wire(vectors, "global_sum"), encode_wire(vectors, "global_sum", "bfloat16")
     assert bf16["unified"].dtype == torch.bfloat16
-    size = lambda w: len(ClientUpdate(0, 1, {WIRE: w}, {"a": 1, "b": 1}).to_bytes(
-        base_model="m", base_model_revision="r", peft_config_hash="h"))
+    def size(w):  # the data section: the header's JSON length varies with its (unordered) metadata and padding
+        payload = ClientUpdate(0, 1, {WIRE: w}, {"a": 1, "b": 1}).to_bytes(
+            base_model="m", base_model_revision="r", peft_config_hash="h")
+        return len(payload) - 8 - int.from_bytes(payload[:8], "little")
     assert size(f32) - size(bf16) == 2 * 64 * 64
     torch.testing.assert_close(decode_task(bf16, 0, vectors["a"])["w"], decode_task(f32, 0, vectors["a"])["w"],
                                rtol=1e-2, atol=1e-2)

@@ -14,7 +14,7 @@ from hf_fedtask.merge import (
     unify,
     weighted_average,
 )
-from hf_fedtask.taskvector import TaskVector
+from hf_fedtask.core.taskvector import TaskVector
 
 
 def _vectors(n, seed=0):

@@ -10,8 +10,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification
 
-from hf_fedtask import federation
-from hf_fedtask.multi_adapter import INDEX_FILE, PAD_BIAS
+from hf_fedtask.engine import run as federation
+from hf_fedtask.export.multi_adapter import INDEX_FILE, PAD_BIAS
 
 
 def test_fedyolo_run_exports_one_multi_adapter_folder_stock_peft_loads(tiny_config, tiny_bert_dir):

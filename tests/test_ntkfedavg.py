@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from hf_fedtask import federation
+from hf_fedtask.engine import run as federation
 from hf_fedtask.cli import main
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.evaluation import evaluate
-from hf_fedtask.linearized_package import load_linearized
+from hf_fedtask.client.evaluation import evaluate
+from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, head_name
 from hf_fedtask.strategies.fedavg import (
@@ -22,9 +22,9 @@ from hf_fedtask.strategies.fedavg import (
     task_vector_name,
 )
 from hf_fedtask.strategies.ntkfedavg import POINT
-from hf_fedtask.taskvector import TaskVector
-from hf_fedtask.unlearn import negate_task, unlearn
-from hf_fedtask.update import ClientUpdate
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.workflows.unlearn import negate_task, unlearn
+from hf_fedtask.core.wire import ClientUpdate
 
 
 def tv(*values):
@@ -115,7 +115,7 @@ def test_run_reports_linearized_and_nonlinear_and_exports_both(ntk_run, tiny_ber
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("mean_metric_nonlinear" in h for h in history)
     sim = federation.Simulation(config)
-    from hf_fedtask.checkpoint import load_checkpoint
+    from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
     for task in sim.tasks:
@@ -184,7 +184,7 @@ def test_one_shot_negation_subtracts_the_recorded_task_vector(ntk_run):
     from safetensors.torch import load_file
 
     sim = federation.Simulation(config)
-    from hf_fedtask.checkpoint import load_checkpoint
+    from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
     # the task vectors add up to the shared modules' movement since round 0

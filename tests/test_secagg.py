@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from hf_fedtask import secagg
+from hf_fedtask.core import secagg
 from hf_fedtask.errors import FedTaskError
-from hf_fedtask.secagg import (
+from hf_fedtask.core.secagg import (
     DEFAULT_SCALE,
     SecAggClient,
     SecAggError,
@@ -16,7 +16,7 @@ from hf_fedtask.secagg import (
     ring_add_,
     secure_sum,
 )
-from hf_fedtask.taskvector import TaskVector
+from hf_fedtask.core.taskvector import TaskVector
 
 SHAPES = {"lora_A.weight": (4, 16), "lora_B.weight": (16, 4), "bias": (7,), "scalar": ()}
 

@@ -5,8 +5,8 @@ import torch
 
 from hf_fedtask.strategies import FedAvg, FedProx, GlobalState, build_strategy, head_name
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.taskvector import TaskVector
-from hf_fedtask.update import ClientUpdate
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 
 
 def _tv(**tensors):

@@ -10,9 +10,9 @@ import safetensors.torch
 import torch
 import transformers
 
-from hf_fedtask import taskvector
+from hf_fedtask.core import taskvector
 from hf_fedtask.errors import TaskVectorError
-from hf_fedtask.taskvector import TaskVector, inspect_file, make_metadata, peft_config_hash, validate
+from hf_fedtask.core.taskvector import TaskVector, inspect_file, make_metadata, peft_config_hash, validate
 
 
 def lora_config(**overrides):
@@ -146,7 +146,7 @@ def test_save_load_round_trip_bit_identical(tmp_path, peft_state, tv, meta):
     assert_identical(loaded, tv)
     decoded = loaded.metadata
     assert decoded["task_ids"] == ["sst2", "rte"] and decoded["round"] == 3 and decoded["client_id"] == "c7"
-    assert decoded["format"] == "hf_fedtask.taskvector" and decoded["format_version"] == "1"
+    assert decoded["format"] == "hf_fedtask.core.taskvector" and decoded["format_version"] == "1"
     assert decoded["kind"] == "delta" and decoded["dtype"] == "float32"
     assert decoded["peft_config_hash"] == peft_config_hash(lora_config())
     assert list(TaskVector.load(path)) == sorted(tv)  # no template: sorted key order
@@ -204,7 +204,7 @@ def test_header_format_required(tmp_path, tv):
     safetensors.torch.save_file(dict(tv), path)
     with pytest.raises(TaskVectorError, match="plain.safetensors.*'format'"):
         TaskVector.load(path)
-    safetensors.torch.save_file(dict(tv), path, metadata={"format": "hf_fedtask.taskvector", "format_version": "2"})
+    safetensors.torch.save_file(dict(tv), path, metadata={"format": "hf_fedtask.core.taskvector", "format_version": "2"})
     with pytest.raises(TaskVectorError, match="format_version.*'2'"):
         TaskVector.load(path)
 
@@ -330,7 +330,7 @@ def test_make_metadata_is_str_to_str_and_validates_kind(meta):
         base_model="m", base_model_revision="r", peft_config_hash="h", kind="absolute", task_ids=[],
         dtype=torch.bfloat16, lr=0.1,
     ) == {
-        "format": "hf_fedtask.taskvector", "format_version": "1", "base_model": "m", "base_model_revision": "r",
+        "format": "hf_fedtask.core.taskvector", "format_version": "1", "base_model": "m", "base_model_revision": "r",
         "peft_config_hash": "h", "kind": "absolute", "task_ids": "[]", "client_id": "", "round": "",
         "dtype": "bfloat16", "lr": "0.1",
     }

@@ -11,7 +11,7 @@ from conftest import TINY_VIT_ID
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
 
-from hf_fedtask import federation
+from hf_fedtask.engine import run as federation
 from hf_fedtask.config import RunConfig
 from hf_fedtask.data import load_task
 from hf_fedtask.errors import ConfigError, DataError
@@ -92,7 +92,7 @@ def test_exported_adapter_reloads_with_stock_peft(vision_run, tiny_vit_dir, tiny
     from peft import PeftModel
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from hf_fedtask.standalone import evaluate_adapter
+    from hf_fedtask.export.standalone import evaluate_adapter
 
     config, results = vision_run
     run_dir = Path(config.output_dir)

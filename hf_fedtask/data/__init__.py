@@ -1,8 +1,8 @@
 """Tasks and the data layer: the builtin offline suites, loading any task reference, partitioning a
 task's data among federated clients, and dataset cards/export."""
 
-from .builtin import BUILTIN_TASKS, SUITE_VERSION, SUITES, BuiltinTask, load_builtin_task, load_suite
-from .partition import (
+from hf_fedtask.data.builtin import BUILTIN_TASKS, SUITE_VERSION, SUITES, BuiltinTask, load_builtin_task, load_suite
+from hf_fedtask.data.partition import (
     build_federation,
     classes_per_client,
     dirichlet_classes,
@@ -10,9 +10,9 @@ from .partition import (
     task_allocation,
     task_shares,
 )
-from .sources import load_task
-from .suite_export import export_suite, task_card
-from .task import Task
+from hf_fedtask.data.sources import load_task
+from hf_fedtask.data.suite_export import export_suite, task_card
+from hf_fedtask.data.task import Task
 
 __all__ = [
     "BUILTIN_TASKS",

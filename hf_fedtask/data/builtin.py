@@ -32,8 +32,8 @@ import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_from_disk
 from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-from ..errors import DataError
-from .task import Task
+from hf_fedtask.errors import DataError
+from hf_fedtask.data.task import Task
 
 SUITE_VERSION = "builtin-v1"  # bump when any pool, size or sampling rule changes: it names the cache folder
 TEST_SIZE = 200  # per task, split equally over the cells (floor); fewer only if a cell runs short

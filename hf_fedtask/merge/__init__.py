@@ -1,15 +1,15 @@
 """Merge operators on task vectors: pure tensor functions, no I/O."""
 
-from .dare import dare_linear, dare_ties, random_prune
-from .linear import weighted_average
-from .ties import (
+from hf_fedtask.merge.dare import dare_linear, dare_ties, random_prune
+from hf_fedtask.merge.linear import weighted_average
+from hf_fedtask.merge.ties import (
     agreement_mask,
     magnitude_prune,
     sign_similarity,
     task_arithmetic,
     ties,
 )
-from .unify import Unified, unify
+from hf_fedtask.merge.unify import Unified, unify
 
 __all__ = [
     "Unified",

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..taskvector import TaskVector
-from .ties import check_compatible, elect_and_merge
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.merge.ties import check_compatible, elect_and_merge
 
 
 def random_prune(tensor: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..taskvector import TaskVector
+from hf_fedtask.core.taskvector import TaskVector
 
 
 def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float]) -> TaskVector:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..taskvector import TaskVector
-from .streaming import Layout, Piece, chunk_len, gather, scatter
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.merge.streaming import Layout, Piece, chunk_len, gather, scatter
 
 SIGN_METHODS = ("total", "frequency")
 SCOPES = ("tensor", "model")

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..taskvector import TaskVector
-from .bitmask import packed_size, unpack_bits
-from .streaming import Layout, chunk_len, gather, scatter
-from .ties import check_compatible
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.merge.bitmask import packed_size, unpack_bits
+from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
+from hf_fedtask.merge.ties import check_compatible
 
 RESCALERS = ("global_sum", "per_tensor_mean")
 

@@ -1,6 +1,6 @@
 """Federated strategies, each a pair (client_update, server_aggregate); see `base.py`."""
 
-from .base import (
+from hf_fedtask.strategies.base import (
     STRATEGIES,
     ClientJob,
     GlobalState,
@@ -9,12 +9,12 @@ from .base import (
     head_name,
     register_strategy,
 )
-from .fedavg import FedAvg, FedProx
-from .fedper import FedPer
-from .fedyolo import FedYolo
-from .matfl import MaTFL
-from .matu import MaTU
-from .ntkfedavg import NTKFedAvg, NTKFedProx
+from hf_fedtask.strategies.fedavg import FedAvg, FedProx
+from hf_fedtask.strategies.fedper import FedPer
+from hf_fedtask.strategies.fedyolo import FedYolo
+from hf_fedtask.strategies.matfl import MaTFL
+from hf_fedtask.strategies.matu import MaTU
+from hf_fedtask.strategies.ntkfedavg import NTKFedAvg, NTKFedProx
 
 __all__ = [
     "STRATEGIES",

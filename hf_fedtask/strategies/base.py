@@ -21,13 +21,13 @@ from typing import ClassVar
 import numpy as np
 from datasets import Dataset
 
-from ..client import LocalTrainer
-from ..data.task import Task
-from ..errors import ConfigError
-from ..host import PeftHost
-from ..merge import weighted_average
-from ..taskvector import TaskVector
-from ..update import ClientUpdate
+from hf_fedtask.client.trainer import LocalTrainer
+from hf_fedtask.data.task import Task
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.host import PeftHost
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 
 SHARED = "shared"
 

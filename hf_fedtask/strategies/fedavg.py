@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..client import LocalTrainer
-from ..merge import weighted_average
-from ..taskvector import TaskVector
-from ..update import ClientUpdate
-from .base import (
+from hf_fedtask.client.trainer import LocalTrainer
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.strategies.base import (
     SHARED,
     ClientJob,
     GlobalState,
@@ -33,8 +33,8 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..data.task import Task
-    from ..host import PeftHost
+    from hf_fedtask.data.task import Task
+    from hf_fedtask.model.host import PeftHost
 
 TASK_VECTOR = "task_vector/"
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..client import LocalTrainer
-from ..errors import ConfigError
-from ..merge import weighted_average
-from ..taskvector import TaskVector
-from ..update import ClientUpdate
-from .base import SHARED, ClientJob, GlobalState, Strategy, head_name, register_strategy
-from .fedavg import train_tasks_in_turn
+from hf_fedtask.client.trainer import LocalTrainer
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, Strategy, head_name, register_strategy
+from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 PERSONAL = "personal"
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")

@@ -23,7 +23,7 @@ share="all") and `head/<task>`.
 Privacy variant (`secure_aggregation=True`): every client uploads a slot for each of the K tasks
 (its own changes, zeros for the tasks it does not hold) and a count vector (1 for each task it
 holds and for the shared part), masked by the engine with pairwise secure aggregation
-(`hf_fedtask.secure_round`). The server sees only the sum, so it learns neither a client's update
+(`hf_fedtask.engine.secure`). The server sees only the sum, so it learns neither a client's update
 nor its tasks; each task's mean is its summed slot over its count. The upload grows from
 module + head to K × (module + head) + K + 1 numbers.
 """
@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..client import LocalTrainer
-from ..errors import ConfigError
-from ..merge import weighted_average
-from ..taskvector import TaskVector
-from ..update import ClientUpdate
-from .base import SHARED, ClientJob, GlobalState, Strategy, head_name, heads_of, register_strategy
-from .fedavg import train_tasks_in_turn
+from hf_fedtask.client.trainer import LocalTrainer
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, Strategy, head_name, heads_of, register_strategy
+from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
-from ..merge import weighted_average
-from ..taskvector import TaskVector
-from ..update import ClientUpdate
-from .base import (
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.strategies.base import (
     SHARED,
     GlobalState,
     average_heads,
@@ -27,7 +27,7 @@ from .base import (
     heads_of,
     register_strategy,
 )
-from .fedavg import FedAvg
+from hf_fedtask.strategies.fedavg import FedAvg
 
 
 def model_name(client_id: int) -> str:

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..client import LocalTrainer
-from ..errors import ConfigError
-from ..merge import agreement_mask, sign_similarity, unify
-from ..merge.bitmask import packed_size, unpack_bits
-from ..merge.unify import RESCALERS
-from ..taskvector import TaskVector
-from ..update import ClientUpdate
-from .base import (
+from hf_fedtask.client.trainer import LocalTrainer
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import agreement_mask, sign_similarity, unify
+from hf_fedtask.merge.bitmask import packed_size, unpack_bits
+from hf_fedtask.merge.unify import RESCALERS
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.strategies.base import (
     SHARED,
     ClientJob,
     GlobalState,

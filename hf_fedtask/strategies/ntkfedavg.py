@@ -1,5 +1,5 @@
 """NTKFedAvg and NTKFedProx (Muhamed, Mankikar and Smith; algorithms.md §5): FedAvg in which every
-client trains the first-order Taylor expansion of the model (`hf_fedtask.linearize`) instead of the
+client trains the first-order Taylor expansion of the model (`hf_fedtask.model.linearize`) instead of the
 model itself.
 
 Client k starts at the server state θ_s and trains f_lin(x; θ) = f(x; θ_lin) + J(x)·(θ − θ_lin),
@@ -15,15 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
-from ..linearize import MODES
-from ..taskvector import TaskVector
-from .base import SHARED, ClientJob, GlobalState, head_name, register_strategy
-from .fedavg import FedAvg, FedProx
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.linearize import MODES
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, head_name, register_strategy
+from hf_fedtask.strategies.fedavg import FedAvg, FedProx
 
 if TYPE_CHECKING:
-    from ..data.task import Task
-    from ..host import PeftHost
+    from hf_fedtask.data.task import Task
+    from hf_fedtask.model.host import PeftHost
 
 POINT = "linearized_at/"
 LINEARIZE_AT = ("server", "pretrained")

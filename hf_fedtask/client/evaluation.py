@@ -1,0 +1,45 @@
+"""Evaluation of one task's parameters on its test split, on the shared host model."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from datasets import Dataset
+from sklearn.metrics import f1_score
+from torch.utils.data import DataLoader
+
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.host import PeftHost
+from hf_fedtask.core.taskvector import TaskVector
+
+# evaluate.load("accuracy") needs the Hub (environment-facts §8); these are the same formulas.
+METRICS = {
+    "accuracy": lambda y, p: float(np.mean(y == p)),
+    "f1_macro": lambda y, p: float(f1_score(y, p, average="macro")),
+}
+
+
+@torch.no_grad()
+def _predict_with(model, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray:
+    model.eval()
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
+    preds = [model(**{k: v for k, v in batch.items() if k != "labels"}).logits.argmax(-1) for batch in loader]
+    return torch.cat(preds).numpy()
+
+
+def predict(host: PeftHost, state: TaskVector, data: Dataset, batch_size: int = 128,
+            linearize_at: TaskVector | None = None, linearization: str = "network") -> np.ndarray:
+    """Argmax predictions of the host model carrying `state` on prepared `data` (`host.tokenize`);
+    with `linearize_at`, of the model linearized around that point (`hf_fedtask.model.linearize`)."""
+    with host.loaded(state, linearize_at, linearization) as model:
+        return _predict_with(model, host, data, batch_size)
+
+
+def evaluate(host: PeftHost, state: TaskVector, data: Dataset, metric: str = "accuracy", batch_size: int = 128,
+             linearize_at: TaskVector | None = None, linearization: str = "network") -> dict:
+    """`{metric: value, "num_examples": n}` for prepared `data` (which has a `labels` column)."""
+    if metric not in METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    preds = predict(host, state, data, batch_size, linearize_at, linearization)
+    labels = np.asarray(data["labels"])
+    return {metric: METRICS[metric](labels, preds), "num_examples": len(labels)}

@@ -1,0 +1,73 @@
+"""Pluggable local objectives: terms a strategy adds to (or puts in place of) the model's own loss
+during local training, instead of a growing keyword list on the trainer.
+
+An objective sees the parameters being trained by their PEFT saved names (`params`, taken when
+local training starts) and returns the loss to minimize from the model's loss, outputs and inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+
+class Objective:
+    """Identity objective; subclasses override `start` (anchors) and `loss`."""
+
+    def start(self, params: Mapping[str, torch.nn.Parameter]) -> None:
+        """Called once when local training starts, with the trainable parameters by saved name."""
+        self.params = dict(params)
+
+    def loss(self, model_loss: torch.Tensor, outputs, inputs: Mapping) -> torch.Tensor:
+        return model_loss
+
+
+class ProximalTerm(Objective):
+    """FedProx (Li et al., 2020): + (μ/2)·‖θ − θ_start‖² over the trainable parameters."""
+
+    def __init__(self, mu: float):
+        self.mu = mu
+
+    def start(self, params):
+        super().start(params)
+        self.anchor = {k: p.detach().clone() for k, p in self.params.items()}
+
+    def loss(self, model_loss, outputs, inputs):
+        if self.mu == 0:
+            return model_loss
+        prox = sum(((p - self.anchor[k]) ** 2).sum() for k, p in self.params.items())
+        return model_loss + (self.mu / 2) * prox
+
+
+class LinearCorrection(Objective):
+    """+ ⟨c, θ⟩ with a fixed vector c by saved name: its gradient adds c to every step, which is
+    SCAFFOLD's correction c − c_i (Karimireddy et al., 2020) when c = c_server − c_client."""
+
+    def __init__(self, correction: Mapping[str, torch.Tensor]):
+        self.correction = dict(correction)
+
+    def loss(self, model_loss, outputs, inputs):
+        missing = [k for k in self.correction if k not in self.params]
+        if missing:
+            raise KeyError(f"correction for unknown parameter {missing[0]!r}")
+        return model_loss + sum((self.correction[k].to(p.dtype) * p).sum() for k, p in self.params.items()
+                                if k in self.correction)
+
+
+class OneHotMSE(Objective):
+    """Replaces the model's loss by the mean squared error of the logits against one-hot targets
+    (shifted by `offset`, e.g. −1/C as in TCT), summed over classes and averaged over the batch,
+    plus (λ/2)·‖θ‖² over the trainable parameters (F²L², TCT's linear stage)."""
+
+    def __init__(self, l2: float = 0.0, offset: float = 0.0):
+        self.l2, self.offset = l2, offset
+
+    def loss(self, model_loss, outputs, inputs):
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
+        target = F.one_hot(inputs["labels"], logits.shape[-1]).to(logits.dtype) + self.offset
+        mse = ((logits - target) ** 2).sum(-1).mean()
+        if self.l2:
+            mse = mse + (self.l2 / 2) * sum((p ** 2).sum() for p in self.params.values())
+        return mse

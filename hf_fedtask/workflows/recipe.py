@@ -1,0 +1,67 @@
+"""What every recipe script shares: its defaults, an optional preset (a RunConfig YAML shipped beside
+the recipe), a user `--config` and flags, layered in that order; then the run and its report.
+
+    accelerate launch recipes/matu_30task.py                      # the recipe's defaults
+    accelerate launch recipes/matu_30task.py --preset paper      # the paper setting (GPU + network)
+    accelerate launch recipes/matu_30task.py --rounds 20         # any RunConfig key is a flag
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hf_fedtask.config import RunConfig, add_config_arguments, config_from_args, load_yaml
+from hf_fedtask.errors import ConfigError, FedTaskError
+
+
+def recipe_parser(description: str, presets: dict[str, Path]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    add_config_arguments(parser)
+    parser.add_argument("--preset", choices=sorted(presets), help="a shipped RunConfig YAML: " +
+                        "; ".join(f"{name} = {path.name}" for name, path in sorted(presets.items())))
+    parser.add_argument("--resume", action="store_true", help="continue from the last finished round in --output-dir")
+    parser.add_argument("--overwrite", action="store_true", help="delete what --output-dir holds and start over")
+    return parser
+
+
+def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, Path]) -> RunConfig:
+    """defaults < preset < --config < flags."""
+    values = dict(defaults)
+    if args.preset:
+        path = presets[args.preset]
+        values.update(load_yaml(path))
+        RunConfig.from_dict(values, source=str(path))
+    return config_from_args(args, defaults=values)
+
+
+def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv: list[str] | None = None,
+               after: Callable[[RunConfig, dict], None] | None = None) -> int:
+    """Parse, run, print the report; bad input is one line on stderr and exit code 2."""
+    from hf_fedtask.export.artifacts import run_report
+    from hf_fedtask.engine.run import run
+
+    args = recipe_parser(description, presets).parse_args(argv)
+    try:
+        config = recipe_config(args, defaults, presets)
+        results = run(config, resume=args.resume, overwrite=args.overwrite)
+        print(run_report(config, results))
+        if after is not None:
+            after(config, results)
+    except FedTaskError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def presets_beside(script: str, **names: str) -> dict[str, Path]:
+    """Preset name -> YAML path, for files in `presets/` next to the recipe `script`."""
+    folder = Path(os.path.dirname(os.path.abspath(script))) / "presets"
+    presets = {name: folder / file for name, file in names.items()}
+    missing = [str(p) for p in presets.values() if not p.exists()]
+    if missing:
+        raise ConfigError(f"preset file not found: {missing[0]}")
+    return presets
