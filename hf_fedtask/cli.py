@@ -14,7 +14,7 @@ from hf_fedtask.errors import ConfigError, FedTaskError
 
 
 def _run(args) -> int:
-    from hf_fedtask.export.artifacts import run_report
+    from hf_fedtask.report import run_report
     from hf_fedtask.engine.run import run
 
     config = config_from_args(args)
@@ -24,16 +24,28 @@ def _run(args) -> int:
 
 
 def _unlearn(args) -> int:
-    from hf_fedtask.export.artifacts import unlearning_report
+    from hf_fedtask.report import unlearning_report
     from hf_fedtask.workflows.unlearn import negate_task, unlearn
 
+    if args.client is not None and args.task is not None:
+        raise ConfigError("unlearn: give --task or --client, not both")
+    if args.client is None and args.task is None:
+        raise ConfigError("unlearn: give --task T or --client K")
     if args.one_shot:
-        results = negate_task(args.run_dir, args.task, scale=args.scale, task_vector=args.task_vector,
+        if args.client is not None:
+            raise ConfigError("unlearn: --one-shot removes a task (its recorded task vector); "
+                              "remove a client with --rounds R")
+        if args.rounds is not None:
+            raise ConfigError("unlearn: --rounds is for federated unlearning; --one-shot runs no rounds")
+        results = negate_task(args.run_dir, args.task, scale=1.0 if args.scale is None else args.scale, task_vector=args.task_vector,
                               output_dir=args.output_dir, overwrite=args.overwrite)
     else:
         if args.rounds is None:
             raise ConfigError("unlearn: give --rounds R (federated) or --one-shot")
-        results = unlearn(args.run_dir, args.task, args.rounds, output_dir=args.output_dir, resume=args.resume,
+        for flag, given in (("--scale", args.scale is not None), ("--task-vector", args.task_vector is not None)):
+            if given:
+                raise ConfigError(f"unlearn: {flag} applies to --one-shot only")
+        results = unlearn(args.run_dir, args.task, args.rounds, client=args.client, output_dir=args.output_dir, resume=args.resume,
                           overwrite=args.overwrite)
     print(unlearning_report(results))
     return 0
@@ -47,15 +59,10 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from hf_fedtask.export.artifacts import ADAPTERS_DIR, export_adapters
-    from hf_fedtask.engine.run import open_finished_run, summarize_results
+    from hf_fedtask.workflows.export_run import export_run
 
-    sim, state, history = open_finished_run(args.run_dir)
-    compact = export_adapters(sim, state, summarize_results(sim, state, history), Path(args.run_dir))
-    for task in sim.tasks:
-        print(Path(args.run_dir) / ADAPTERS_DIR / task.name)
-    if compact is not None:
-        print(compact)
+    for path in export_run(args.run_dir):
+        print(path)
     return 0
 
 
@@ -177,10 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unlearn", help="remove a task from a finished run (federated negation or one-shot)",
                        description=UNLEARN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a finished run (FedAvg family: fedavg, fedprox, ntkfedavg, ntkfedprox)")
-    p.add_argument("--task", required=True, help="the task to forget")
+    p.add_argument("--task", default=None, help="the task to forget")
+    p.add_argument("--client", type=int, default=None, help="federated: the client to forget (its updates negated)")
     p.add_argument("--rounds", type=int, default=None, help="federated: rounds of negated updates")
     p.add_argument("--one-shot", action="store_true", help="subtract the task's vector instead of running rounds")
-    p.add_argument("--scale", type=float, default=1.0, help="one-shot: λ in θ − λ·τ_task")
+    p.add_argument("--scale", type=float, default=None, help="one-shot: λ in θ − λ·τ_task (default 1)")
     p.add_argument("--task-vector", default=None,
                    help="one-shot: adapter folder or task-vector file (default: the run's recorded task vector)")
     p.add_argument("--output-dir", default=None, help="default: RUN_DIR-unlearn-TASK (federated), RUN_DIR-negate-TASK")

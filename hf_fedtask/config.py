@@ -1,5 +1,10 @@
 """`RunConfig`: every setting of a federated run, loadable from YAML and overridable by CLI flags
-(each field `foo_bar` is the flag `--foo-bar`), like torchtune configs or HF `TrainingArguments`."""
+(each field `foo_bar` is the flag `--foo-bar`), like torchtune configs or HF `TrainingArguments`.
+
+The strategy's own options live in its config class (`hf_fedtask.strategies`); a run holds the
+strategy name and `strategy_options`. In YAML they may be given nested (`strategy_options:`) or flat
+beside the other keys; an option the chosen strategy does not have is an error.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,23 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+from hf_fedtask.core.fields import check_fields, field_type
 from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+from hf_fedtask.strategies import STRATEGIES, StrategyConfig, build_strategy_config, strategy_class
 
 
 @dataclass
 class RunConfig:
     # what to run
     strategy: str = "fedavg"
+    strategy_options: dict = field(default_factory=dict)  # the strategy's config fields (flat flags on the CLI)
     suite: str | None = "builtin-8"
     tasks: list[str] | None = None  # task refs (builtin names, local paths, Hub ids); overrides `suite`
     output_dir: str = "runs/default"
@@ -54,29 +61,6 @@ class RunConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     gradient_accumulation_steps: int = 1
-    # server / strategy
-    server_lr: float = 1.0
-    proximal_mu: float = 0.01
-    forget_tasks: list[str] | None = None  # unlearning: negate the updates of clients holding these tasks
-    track_task_vectors: bool = False  # FedAvg family: keep each task's accumulated vector (one-shot negation)
-    # NTKFedAvg (algorithms.md §5)
-    linearize_at: str = "server"  # server (re-linearize every round) | pretrained
-    linearization: str = "network"  # network | lora_layers (L-LoRA)
-    # FedYolo (algorithms.md §4)
-    share: str = "none"  # modules shared by all tasks: none | half (first ⌊L/2⌋ blocks) | all
-    secure_aggregation: bool = False  # privacy variant: K-task slot uploads, pairwise-masked; the server sees sums
-    sample_weighted: bool = False  # weight FedYolo's per-task means by sample counts (the paper: unweighted)
-    # MaTU (algorithms.md §3)
-    rho: float = 0.4  # agreement-mask threshold
-    kappa: int = 2  # cross-task neighbours per task
-    epsilon: float = 0.5  # minimum sign similarity of a neighbour
-    combine: str = "s_normalized"  # sum | mean | s_normalized
-    rescaler: str = "global_sum"  # global_sum | per_tensor_mean
-    include_self: bool = False
-    wire_dtype: str = "float32"  # float32 | bfloat16 (the unified vector on the wire)
-    # baselines
-    personal_blocks: int = 1  # FedPer: last transformer blocks kept on the client (with the heads)
-    group_size: int = 3  # MaT-FL-style: peers (self included) each client aggregates with
     # bookkeeping
     eval_batch_size: int = 128
     seed: int = 0
@@ -89,26 +73,55 @@ class RunConfig:
                                                              "save_payloads")
 
     def __post_init__(self):
+        check_fields(self)
         if not self.tasks and not self.suite:
             raise ConfigError("config: give `suite` or `tasks`")
         positive = ("rounds", "batch_size", "max_length", "eval_batch_size", "gradient_accumulation_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_clients is not None and self.num_clients < 1:
+            raise ConfigError(f"config: num_clients must be at least 1, got {self.num_clients}")
         if not 0 < self.participation <= 1:
             raise ConfigError(f"config: participation must be in (0, 1], got {self.participation}")
         if self.zeta < 0:
             raise ConfigError(f"config: zeta must be >= 0, got {self.zeta}")
+        self.strategy_options = dataclasses.asdict(self.strategy_config)  # validated, complete, typed
+
+    @property
+    def strategy_config(self) -> StrategyConfig:
+        """The strategy's typed options (an unknown strategy or option is a ConfigError)."""
+        return build_strategy_config(self.strategy, dict(self.strategy_options))
+
+    def with_options(self, **options) -> RunConfig:
+        """A copy with some strategy options changed."""
+        return dataclasses.replace(self, strategy_options={**self.strategy_options, **options})
+
+    def for_strategy(self, name: str, **overrides) -> RunConfig:
+        """This config run with strategy `name` (method comparisons): the strategy options that `name`
+        also has carry over, the others are left behind; `overrides` are RunConfig keys or options."""
+        known = {f.name for f in dataclasses.fields(strategy_class(name).config_class)}
+        options = {k: v for k, v in self.strategy_options.items() if k in known}
+        return RunConfig.from_dict({**self.common(), "strategy": name, "strategy_options": options, **overrides},
+                                   source=f"strategy {name}")
+
+    def common(self) -> dict:
+        """The settings other than the strategy and its options."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("strategy", "strategy_options")}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def flat(self) -> dict:
+        """Every setting in one mapping (the strategy's options beside the others)."""
+        return {**{k: v for k, v in self.to_dict().items() if k != "strategy_options"}, **self.strategy_options}
+
     def fingerprint(self) -> str:
         """Hash of the settings that define the run's result (not where it is written or for how
-        long). Only values that differ from the defaults count, so a release that adds a setting
+        long). Only values that differ from their defaults count, so a release that adds a setting
         (at a default that keeps the old behaviour) still resumes the runs of the previous one."""
-        defaults = RunConfig().to_dict()
-        d = {k: v for k, v in self.to_dict().items() if k not in self.RESUMABLE_CHANGES and v != defaults[k]}
+        defaults = {**RunConfig().flat(), **dataclasses.asdict(strategy_class(self.strategy).config_class())}
+        d = {k: v for k, v in self.flat().items() if k not in self.RESUMABLE_CHANGES and v != defaults.get(k)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def same_run(self, other: RunConfig) -> bool:
@@ -116,19 +129,52 @@ class RunConfig:
         return self.fingerprint() == other.fingerprint()
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> RunConfig:
+    def from_dict(cls, d: dict, source: str = "config", saved: bool = False) -> RunConfig:
+        """Build from a mapping. Strategy options may be flat keys or under `strategy_options`.
+        `saved`: a run folder's run_config.yaml written by an earlier release, which listed every
+        strategy's options: those of other strategies are dropped when they hold their default."""
+        d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in known:
+        options = dict(d.pop("strategy_options", None) or {})
+        if not isinstance(options, dict):
+            raise ConfigError(f"{source}: strategy_options must be a mapping")
+        strategy = d.get("strategy", cls.strategy)
+        if not isinstance(strategy, str):
+            raise ConfigError(f"{source}: strategy: expected a string, got {strategy!r}")
+        own = {f.name: f for f in dataclasses.fields(strategy_class(strategy).config_class)}
+        for key in [k for k in d if k not in known]:
+            value = d.pop(key)
+            if key in own:
+                options[key] = value
+            elif saved and key in _LEGACY_DEFAULTS and value == _LEGACY_DEFAULTS[key]:
+                continue
+            elif any(key in option_defaults(c) for c in STRATEGIES.values()):
+                build_strategy_config(strategy, {key: value})  # raises: names the strategies that have it
+            else:
                 raise ConfigError(f"{source}: unknown key {key!r}")
-        return cls(**d)
+        try:
+            return cls(**d, strategy_options=options)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}" if not str(e).startswith(source) else str(e)) from None
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> RunConfig:
-        return cls.from_dict(load_yaml(path), source=str(path))
+    def from_yaml(cls, path: str | Path, saved: bool = False) -> RunConfig:
+        return cls.from_dict(load_yaml(path), source=str(path), saved=saved)
 
     def save_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def option_defaults(strategy: type) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(strategy.config_class)}
+
+
+# every strategy option with the default it had as a flat RunConfig key before strategy configs
+_LEGACY_DEFAULTS = {"server_lr": 1.0, "proximal_mu": 0.01, "forget_tasks": None, "track_task_vectors": False,
+                    "linearize_at": "server", "linearization": "network", "share": "none",
+                    "secure_aggregation": False, "sample_weighted": False, "rho": 0.4, "kappa": 2, "epsilon": 0.5,
+                    "combine": "s_normalized", "rescaler": "global_sum", "include_self": False,
+                    "wire_dtype": "float32", "personal_blocks": 1, "group_size": 3}
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -141,28 +187,38 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def _flag_type(annotation) -> tuple[type, bool]:
-    """(element type, is_list) for a field annotation such as `int | None` or `list[str] | None`."""
-    hint = typing.get_type_hints(RunConfig)[annotation]
-    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
-    base = args[0]
-    if typing.get_origin(base) is list:
-        return typing.get_args(base)[0], True
-    return base, False
+def _strategy_option_fields() -> dict[str, tuple[type, dataclasses.Field]]:
+    """Every strategy option name -> (config class declaring it, its field), first declaration wins."""
+    out = {}
+    for cls in STRATEGIES.values():
+        for f in dataclasses.fields(cls.config_class):
+            out.setdefault(f.name, (cls.config_class, f))
+    return out
+
+
+def _add_flag(parser, cls, f: dataclasses.Field, help_text: str | None) -> None:
+    kind, is_list, _ = field_type(cls, f.name)
+    flag = "--" + f.name.replace("_", "-")
+    choices = f.metadata.get("choices") if f.metadata else None
+    if kind is bool:
+        parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    elif is_list:
+        parser.add_argument(flag, dest=f.name, nargs="+", type=kind, default=None, help=help_text)
+    else:
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, choices=choices, help=help_text)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field; defaults are None so only flags the user typed override YAML."""
+    """One flag per RunConfig field and per strategy option; defaults are None so that only flags the
+    user typed override YAML. A strategy option's help names the strategies that have it."""
     parser.add_argument("--config", help="YAML file of RunConfig keys; flags override it")
     for f in dataclasses.fields(RunConfig):
-        kind, is_list = _flag_type(f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        elif is_list:
-            parser.add_argument(flag, dest=f.name, nargs="+", type=kind, default=None)
-        else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=None)
+        if f.name != "strategy_options":
+            _add_flag(parser, RunConfig, f, None)
+    group = parser.add_argument_group("strategy options", "each is accepted only by the strategies that have it")
+    for name, (cls, f) in _strategy_option_fields().items():
+        owners = sorted(s for s, c in STRATEGIES.items() if name in option_defaults(c))
+        _add_flag(group, cls, f, f"{f.metadata.get('help', '')} [{', '.join(owners)}]")
 
 
 def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> RunConfig:
@@ -172,10 +228,10 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
         given = load_yaml(args.config)
         RunConfig.from_dict({**values, **given}, source=args.config)  # validate keys before merging flags
         values.update(given)
-    for f in dataclasses.fields(RunConfig):
-        given = getattr(args, f.name, None)
+    for name in [f.name for f in dataclasses.fields(RunConfig)] + list(_strategy_option_fields()):
+        given = getattr(args, name, None)
         if given is not None:
-            values[f.name] = given
+            values[name] = given
     if "tasks" in values and values["tasks"] and "suite" not in values:
         values["suite"] = None
     return RunConfig.from_dict(values, source=getattr(args, "config", None) or "flags")

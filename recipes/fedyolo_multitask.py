@@ -24,7 +24,6 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -89,7 +88,8 @@ def _personalization(base, setting: dict, name: str) -> dict:
     cache = run_dir / "personalization.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    config = dataclasses.replace(base, **METHODS["modular_fedavg"], **setting, output_dir=str(run_dir))
+    method = dict(METHODS["modular_fedavg"])
+    config = base.for_strategy(method.pop("strategy"), **method, **setting, output_dir=str(run_dir))
     if finished_results(config) is None:
         raise FedTaskError(f"{run_dir}: the modular FedAvg run is not finished")
     result = {"fedavg_local": personalize(run_dir, epochs=base.local_epochs), "local_only": local_only(config)}

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.config import add_config_arguments, config_from_args
 from hf_fedtask.engine.run import load_tasks
-from hf_fedtask.data.reference import individual_centralized, reference_record
+from hf_fedtask.workflows.reference import individual_centralized, reference_record
 
 
 def main(argv=None) -> int:

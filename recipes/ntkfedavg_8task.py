@@ -27,7 +27,7 @@ if "--preset" not in sys.argv:
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from hf_fedtask.export.artifacts import headline_metric  # noqa: E402
+from hf_fedtask.report import headline_metric  # noqa: E402
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gc
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
 from transformers import PrinterCallback, Trainer, TrainingArguments
 
+from hf_fedtask.client.objectives import Objective
 from hf_fedtask.model.host import PeftHost
 from hf_fedtask.core.taskvector import TaskVector
 
@@ -31,23 +33,22 @@ class LocalTrainingArgs:
     optim: str = "adamw_torch"
 
 
-class _ProximalTrainer(Trainer):
-    """Trainer whose loss adds FedProx's (mu/2)·||θ − θ_start||² over the trainable parameters."""
+class _ObjectiveTrainer(Trainer):
+    """Trainer whose loss goes through the strategy's local objectives (`hf_fedtask.client.objectives`)."""
 
-    def __init__(self, *args, proximal_mu: float = 0.0, **kwargs):
+    def __init__(self, *args, objectives: Sequence[Objective] = (), params: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.proximal_mu = proximal_mu
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self._anchor = [(p, p.detach().clone()) for p in trainable] if proximal_mu > 0 else []
+        self.objectives = list(objectives)
+        for objective in self.objectives:
+            objective.start(params or {})
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if not self._anchor:
-            return result
-        prox = sum(((p - p0) ** 2).sum() for p, p0 in self._anchor) * (self.proximal_mu / 2)
-        if return_outputs:
-            return result[0] + prox, result[1]
-        return result + prox
+        if not self.objectives:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        for objective in self.objectives:
+            loss = objective.loss(loss, outputs, inputs)
+        return (loss, outputs) if return_outputs else loss
 
 
 class LocalTrainer:
@@ -98,12 +99,13 @@ class LocalTrainer:
             dataloader_num_workers=0,
             remove_unused_columns=False,
         )
-        trainer = _ProximalTrainer(
+        trainer = _ObjectiveTrainer(
             model=model,
             args=targs,
             train_dataset=data,
             data_collator=self.collator,
-            proximal_mu=proximal_mu,
+            objectives=objectives,
+            params=self.host.trainable_by_name() if objectives else None,
         )
         trainer.remove_callback(PrinterCallback)  # the simulator reports progress; no per-client prints
         out = trainer.train()

@@ -9,10 +9,11 @@ a run killed at any point resumes from the last finished round, server and clien
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedtask.errors import OutputDirError
-from hf_fedtask.strategies.base import ClientStore, GlobalState
+from hf_fedtask.errors import OutputDirError, TaskVectorError
+from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.core.taskvector import TaskVector, make_metadata, validate
 from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 
@@ -46,24 +47,38 @@ def save_checkpoint(run_dir: Path, state: GlobalState, *, history: list[dict], f
     return path
 
 
-def load_checkpoint(run_dir: Path, *, fingerprint: str,
-                    template: GlobalState) -> tuple[GlobalState, list[dict], dict[int, ClientStore]]:
-    """Load and validate against the freshly initialised `template` state of the same config.
-    Returns (server state, history, client stores)."""
+def load_checkpoint(run_dir: Path, *, fingerprint: str, template: GlobalState | Callable[[dict], GlobalState],
+                    ) -> tuple[GlobalState, list[dict], dict[int, ClientStore]]:
+    """Load and validate against `template`: the freshly initialised state of the same config, or a
+    function of the checkpoint's scalars giving the layout of that round's state (a strategy whose
+    state changes between phases). Returns (server state, history, client stores)."""
     path = Path(run_dir) / CHECKPOINT_FILE
     if not path.exists():
         raise OutputDirError(f"{run_dir}: nothing to resume (no {CHECKPOINT_FILE})")
     flat = TaskVector.load(path, expect={"run_fingerprint": fingerprint})
     meta = flat.metadata
+    scalars = _json_field(meta, "scalars", path)
+    history = _json_field(meta, "history", path)
+    if callable(template):
+        template = template(scalars)
     expected = pack_vectors(template.vectors)
     server_keys = [k for k in flat if not k.startswith(CLIENT_PREFIX)]
     if set(server_keys) == set(expected):
         server_keys = list(expected)  # template order: flattening and packing depend on key order
     server = TaskVector({k: flat[k] for k in server_keys}, flat.raw_metadata)
     validate(server, source=str(path), template=expected)
-    state = GlobalState(round=int(meta["round"]), vectors=unpack_vectors(server), scalars=json.loads(meta["scalars"]))
+    state = GlobalState(round=int(meta["round"]), vectors=unpack_vectors(server), scalars=scalars)
     stores: dict[int, ClientStore] = {}
     for name, tv in unpack_vectors(TaskVector({k: v for k, v in flat.items() if k.startswith(CLIENT_PREFIX)})).items():
         cid, _, inner = name[len(CLIENT_PREFIX):].partition("/")
         stores.setdefault(int(cid), {})[inner] = tv
-    return state, json.loads(meta["history"]), stores
+    return state, history, stores
+
+
+def _json_field(meta: dict, name: str, path: Path):
+    try:
+        return json.loads(meta[name])
+    except KeyError:
+        raise TaskVectorError(f"{path}: checkpoint header lacks {name!r}") from None
+    except (TypeError, ValueError) as e:
+        raise TaskVectorError(f"{path}: checkpoint header field {name!r} is not valid JSON ({e})") from None

@@ -266,12 +266,17 @@ class SecAggClient:
         metadata = {"client_id": str(self.client_id), "round": str(round), "secagg_scale": repr(float(self.scale))}
         return TaskVector(dict(encoded), metadata)
 
-    def reveal_pair_seeds(self, dropped_ids: Iterable[int], round: int) -> dict[int, bytes]:
+    def reveal_pair_seeds(self, dropped_ids: Iterable[int], round: int,
+                          peers: Mapping[int, int] | None = None) -> dict[int, bytes]:
         """The round's pairwise seeds with the dropped peers only (server-side recovery of their masks).
 
         Refused for this client itself, for ids that were not its peers in that round, and for a round
-        it did not mask.
+        it did not mask. `peers` (the round's public keys) lets a client process that did not mask
+        the round itself (a restarted one, holding the same secret) answer.
         """
+        if round not in self._rounds and peers is not None:
+            self._rounds[round] = {_check_id(p, "peer id"): _check_public_key(k, f"client {self.client_id}: peer {p}")
+                                   for p, k in peers.items() if p != self.client_id}
         if round not in self._rounds:
             raise SecAggError(f"client {self.client_id}: round {round} was not masked by this client")
         out = {}

@@ -84,6 +84,13 @@ class PeftHost:
             raise KeyError(f"unexpected parameter {unknown[0]!r} for this PEFT model")
         set_peft_model_state_dict(self.model, dict(state), adapter_name=self.model.active_adapter)
 
+    def trainable_by_name(self) -> dict[str, torch.nn.Parameter]:
+        """The live trainable parameters of the active adapter, by PEFT saved name (as in `state`)."""
+        saved = get_peft_model_state_dict(self.model, adapter_name=self.model.active_adapter)
+        by_storage = {v.data_ptr(): k for k, v in saved.items()}
+        return {by_storage[p.data_ptr()]: p for p in self.model.parameters()
+                if p.requires_grad and p.data_ptr() in by_storage}
+
     @contextlib.contextmanager
     def adapter(self, name: str) -> Iterator[None]:
         """Make the PEFT adapter `name` active (`state`, `load_state`, training and inference then use

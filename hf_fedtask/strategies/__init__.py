@@ -1,35 +1,31 @@
-"""Federated strategies, each a pair (client_update, server_aggregate); see `base.py`."""
+"""Federated strategies: one config dataclass and a few functions over task vectors each; see `base.py`."""
 
 from hf_fedtask.strategies.base import (
+    EVALUATE,
+    QUERY,
     STRATEGIES,
+    TRAIN,
+    Capabilities,
     ClientJob,
     GlobalState,
     Strategy,
+    StrategyConfig,
     build_strategy,
+    build_strategy_config,
     head_name,
     register_strategy,
+    strategy_class,
 )
-from hf_fedtask.strategies.fedavg import FedAvg, FedProx
-from hf_fedtask.strategies.fedper import FedPer
-from hf_fedtask.strategies.fedyolo import FedYolo
-from hf_fedtask.strategies.matfl import MaTFL
-from hf_fedtask.strategies.matu import MaTU
-from hf_fedtask.strategies.ntkfedavg import NTKFedAvg, NTKFedProx
+from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
+from hf_fedtask.strategies.fedper import FedPer, FedPerConfig
+from hf_fedtask.strategies.fedyolo import FedYolo, FedYoloConfig
+from hf_fedtask.strategies.matfl import MaTFL, MaTFLConfig
+from hf_fedtask.strategies.matu import MaTU, MaTUConfig
+from hf_fedtask.strategies.ntkfedavg import NTKFedAvg, NTKFedAvgConfig, NTKFedProx, NTKFedProxConfig
 
 __all__ = [
-    "STRATEGIES",
-    "ClientJob",
-    "FedAvg",
-    "FedPer",
-    "FedProx",
-    "FedYolo",
-    "GlobalState",
-    "MaTFL",
-    "MaTU",
-    "NTKFedAvg",
-    "NTKFedProx",
-    "Strategy",
-    "build_strategy",
-    "head_name",
-    "register_strategy",
+    "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "FedAvg", "FedAvgConfig", "FedPer",
+    "FedPerConfig", "FedProx", "FedProxConfig", "FedYolo", "FedYoloConfig", "GlobalState", "MaTFL", "MaTFLConfig",
+    "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig", "Strategy",
+    "StrategyConfig", "build_strategy", "build_strategy_config", "head_name", "register_strategy", "strategy_class",
 ]

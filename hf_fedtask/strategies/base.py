@@ -1,12 +1,16 @@
-"""The shape every algorithm takes: a pair of functions over task vectors.
+"""The shape every algorithm takes: a config dataclass and a few functions over task vectors.
 
-    downlink(state, client, tasks) -> named vectors          # what the server sends one client
+    downlink(state, client, tasks) -> named vectors          # exactly what the server sends one client
     client_update(downlink, job, trainer) -> ClientUpdate    # runs on the client
     server_aggregate(state, [ClientUpdate]) -> GlobalState   # runs on the server
 
-Engines (the in-process simulator today; Flower or multi-process later) only move these values
-around, so a strategy file reads like its paper's algorithm box. A client sees nothing but its
-downlink, its own data and its private `store` (personal layers that never leave it).
+Engines (in-process, Flower simulation, Flower deployment) only move these values, so a strategy
+reads like its paper's algorithm box. A client sees nothing but its downlink, its own data and its
+private `store`. Beyond training, a round may ask clients for statistics without training
+(`message_kind` QUERY, answered by `client_query`), tasks may be evaluated on their holders
+(`client_task_parameters`, for personal layers), and a strategy's state layout may change between
+phases (`state_template`). What a strategy supports is declared in `capabilities`; its options
+live in its config class (`config_class`), typed and validated on construction.
 """
 
 from __future__ import annotations
@@ -22,49 +26,54 @@ import numpy as np
 from datasets import Dataset
 
 from hf_fedtask.client.trainer import LocalTrainer
-from hf_fedtask.data.task import Task
-from hf_fedtask.errors import ConfigError
-from hf_fedtask.model.host import PeftHost
-from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.fields import check_fields
+from hf_fedtask.core.state import SHARED, ClientStore, GlobalState, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.data.task import Task
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.model.host import PeftHost
 
-SHARED = "shared"
+__all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", "ClientStore", "GlobalState",
+           "Strategy", "StrategyConfig", "average_heads", "build_strategy", "head_name", "register_strategy"]
 
-
-def head_name(task: str) -> str:
-    """Name of the vector holding `task`'s classification head in states and updates."""
-    return f"head/{task}"
+TRAIN, QUERY, EVALUATE = "train", "query", "evaluate"
+"""Message kinds: train (a client update), query (statistics or gradients, no training), evaluate."""
 
 
 @dataclass
-class GlobalState:
-    """Server state after `round` finished rounds: named vectors (e.g. `shared` PEFT modules and one
-    `head/<task>` per task) plus JSON-able scalars (e.g. the task allocation A(n, t))."""
+class StrategyConfig:
+    """Base of every strategy's options (like peft's per-method configs): typed fields with help text
+    (`hf_fedtask.core.fields.option`), checked on construction; `validate` adds value checks."""
 
-    round: int
-    vectors: dict[str, TaskVector]
-    scalars: dict = field(default_factory=dict)
+    def __post_init__(self):
+        check_fields(self, source="strategy options")
+        self.validate()
 
-    @property
-    def allocation(self) -> dict[int, list[str]]:
-        """Client id -> the tasks it holds."""
-        return {int(c): tasks for c, tasks in self.scalars["allocation"].items()}
-
-    def holders(self, task: str) -> list[int]:
-        return [c for c, tasks in self.allocation.items() if task in tasks]
+    def validate(self) -> None:
+        """Checks beyond types and choices (ranges); raise ConfigError."""
 
 
-ClientStore = dict[str, TaskVector]
-"""A client's private, persistent tensors (e.g. FedPer's personal layers). The engine keeps one per
-client and checkpoints it; the server never reads it."""
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy supports, declared: engines, exporters and the CLI consult this, never probe."""
+
+    federated_unlearning: bool = False  # forget_tasks / forget_clients: holders' updates negated
+    task_vector_tracking: bool = False  # track_task_vectors: one-shot negation of a task afterwards
+    secure_aggregation: bool = False  # secure_aggregation: the server receives only the masked sum
+    client_evaluation: bool = False  # tasks are evaluated on their holders (personal layers stay there)
+    personalization: bool = True  # FedAvg+Local fine-tuning from the task models
+    linearized: bool = False  # evaluated as a linearized model (and exported as one beside the adapter)
+    exports: tuple[str, ...] = ("adapters",)  # + compact (MaTU), multi_adapter (per-task modules), linearized
+    phases: tuple[str, ...] = ("train",)  # names of the phases the state goes through
 
 
 @dataclass
 class ClientJob:
-    """What one client works on in one round: its tokenized train data per task, a seed, the seeded
-    PEFT init every task vector is measured from and each task's initial head (both rebuilt by
-    clients from the broadcast seed), and the client's private store."""
+    """What one client works on in one round: its prepared data per task, a seed, the seeded PEFT
+    init every task vector is measured from and each task's initial head (both rebuilt by clients
+    from the broadcast seed), and the client's private store."""
 
     client_id: int
     round: int
@@ -73,6 +82,7 @@ class ClientJob:
     origin: TaskVector | None = None
     initial_heads: dict[str, TaskVector] = field(default_factory=dict)
     store: ClientStore = field(default_factory=dict)
+    query: str = ""  # for QUERY messages: what the server asks
 
     def seed_for(self, task: str) -> int:
         """A per-(run seed, round, client, task) seed: identical whatever ran before it."""
@@ -88,50 +98,88 @@ class ClientJob:
 
 
 class Strategy(ABC):
-    """Base class: registry, hyperparameters, and the default layout (shared modules + one head per
-    task, both sent to clients as absolute parameters)."""
+    """Base class: config, capabilities and the default layout (shared modules + one head per task,
+    both sent to clients as absolute parameters)."""
 
     name: ClassVar[str]
     paper: ClassVar[str] = ""
-    per_task_modules: ClassVar[bool] = False  # one PEFT module per task: also exported as one multi-adapter folder
+    config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, config: StrategyConfig | None = None, **options):
+        if config is not None and options:
+            raise TypeError("give a config or options, not both")
+        if config is not None and not isinstance(config, self.config_class):
+            raise ConfigError(f"strategy {self.name!r} takes a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config if config is not None else self.config_class(**options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
 
     def hyperparameters(self) -> dict:
-        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+        return dataclasses.asdict(self.config)
 
+    # -- state -------------------------------------------------------------------------------------
     def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
         vectors = {SHARED: host.initial_shared()}
         for i, task in enumerate(tasks):
             vectors[head_name(task.name)] = host.initial_head(task.num_labels, seed=seed * 1000 + i)
         return GlobalState(round=0, vectors=vectors, scalars={"allocation": {str(c): t for c, t in allocation.items()}})
 
+    def state_template(self, initial: GlobalState, scalars: dict) -> GlobalState:
+        """The layout (names, shapes, dtypes) of a state whose scalars are `scalars` (e.g. its phase);
+        checkpoints are validated against it. One layout for every round by default."""
+        return initial
+
     def task_parameters(self, state: GlobalState, task: str, stores: dict[int, ClientStore] | None = None) -> TaskVector:
-        """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`.
-        Personalized strategies combine the holders' `stores`."""
+        """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`."""
         return TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
+
+    def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
+        """For linearized strategies: the point `task`'s model is linearized around; None = ordinary model."""
+        return None
+
+    @property
+    def linearization(self) -> str:
+        """The linearization mode of a linearized strategy (`hf_fedtask.model.linearize.MODES`)."""
+        return "network"
+
+    # -- communication ------------------------------------------------------------------------------
+    def message_kind(self, state: GlobalState) -> str:
+        """What the next round asks of clients: TRAIN (`client_update`) or QUERY (`client_query`)."""
+        return TRAIN
+
+    def query_name(self, state: GlobalState) -> str:
+        """For QUERY rounds: what is asked (passed to the client as `job.query`)."""
+        return ""
 
     def downlink(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
         """Exactly what the server sends `client_id` (holding `tasks`) this round."""
-        return {SHARED: state.vectors[SHARED], **heads_of(state, tasks)}
+        return {SHARED: state.vectors[SHARED], **state.heads(tasks)}
 
     def update_templates(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
-        """What that client's update must contain (keys, shapes, dtypes); by default its downlink."""
+        """What that client's reply must contain (keys, shapes, dtypes); by default its downlink."""
         return self.downlink(state, client_id, tasks)
 
-    def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
-        """For strategies that train linearized models (NTKFedAvg): the point `task`'s model is
-        linearized around, so it is evaluated as f_lin at `task_parameters`; None = the ordinary model."""
-        return None
+    def uses_secure_aggregation(self) -> bool:
+        """True when uploads must be masked on the clients and only their sum reach `server_aggregate`."""
+        return False
 
+    # -- client -------------------------------------------------------------------------------------
     @abstractmethod
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate: ...
 
+    def client_query(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
+        """Answer the QUERY `job.query` (statistics or gradients, no training)."""
+        raise ConfigError(f"strategy {self.name!r} sends no queries")
+
+    def client_task_parameters(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> TaskVector:
+        """For strategies with client evaluation: the client's own model of `task` (its store + downlink)."""
+        raise ConfigError(f"strategy {self.name!r} evaluates on the server")
+
+    # -- server -------------------------------------------------------------------------------------
     @abstractmethod
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState: ...
-
-
-def heads_of(state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
-    """The `head/<task>` vectors of `tasks`."""
-    return {head_name(t): state.vectors[head_name(t)] for t in tasks}
 
 
 def average_heads(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0) -> dict[str, TaskVector]:
@@ -151,17 +199,38 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    if not (isinstance(cls.config_class, type) and issubclass(cls.config_class, StrategyConfig)):
+        raise TypeError(f"{cls.__name__}.config_class must be a StrategyConfig subclass")
     STRATEGIES[cls.name] = cls
     return cls
 
 
-def build_strategy(name: str, options: dict) -> Strategy:
-    """Instantiate a registered strategy, passing the options that are its dataclass fields."""
+def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}")
-    cls = STRATEGIES[name]
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    strategy = cls(**{k: v for k, v in options.items() if k in fields})
-    if hasattr(strategy, "check"):
-        strategy.check()
-    return strategy
+    return STRATEGIES[name]
+
+
+def option_names(config_class: type[StrategyConfig]) -> list[str]:
+    return [f.name for f in dataclasses.fields(config_class)]
+
+
+def build_strategy_config(name: str, options: dict) -> StrategyConfig:
+    """The typed config of strategy `name`; an option it does not have is an error naming who has it."""
+    cls = strategy_class(name)
+    known = option_names(cls.config_class)
+    for key in options:
+        if key not in known:
+            owners = sorted(n for n, c in STRATEGIES.items() if key in option_names(c.config_class))
+            hint = f" (an option of {', '.join(owners)})" if owners else ""
+            theirs = f"; its options: {', '.join(known)}" if known else "; it has no options"
+            raise ConfigError(f"strategy {name!r} does not support option {key!r}{hint}{theirs}")
+    try:
+        return cls.config_class(**options)
+    except TypeError as e:
+        raise ConfigError(f"strategy {name!r}: {e}") from None
+
+
+def build_strategy(name: str, options: dict | None = None) -> Strategy:
+    """Instantiate a registered strategy from its name and options."""
+    return strategy_class(name)(build_strategy_config(name, options or {}))

@@ -5,10 +5,10 @@ by the previous task) and the task's head, train locally, and send the change of
 modules and of each head. Server: the shared modules move by α times the sample-weighted mean of
 all clients' changes; each head by α times the mean over the clients that hold its task.
 
-Federated task unlearning (NTKFedAvg's Alg. 1, lines 8–9) is part of the server step: with
-`forget_tasks`, the updates of clients holding a forgotten task are negated before aggregation.
-With `track_task_vectors`, the server also keeps each task's accumulated share of the shared
-modules' movement (`task_vector/<task>`), the task vector a one-shot negation subtracts.
+Federated unlearning (NTKFedAvg's Alg. 1, lines 8–9) is part of the server step: the updates of
+clients holding a task in `forget_tasks`, or listed in `forget_clients`, are negated before
+aggregation. With `track_task_vectors`, the server also keeps each task's accumulated share of the
+shared modules' movement (`task_vector/<task>`), the task vector a one-shot negation subtracts.
 """
 
 from __future__ import annotations
@@ -16,25 +16,25 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from hf_fedtask.client.objectives import ProximalTerm
 from hf_fedtask.client.trainer import LocalTrainer
-from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     SHARED,
+    Capabilities,
     ClientJob,
     GlobalState,
     Strategy,
+    StrategyConfig,
     average_heads,
     head_name,
     register_strategy,
 )
-
-if TYPE_CHECKING:
-    from hf_fedtask.data.task import Task
-    from hf_fedtask.model.host import PeftHost
 
 TASK_VECTOR = "task_vector/"
 
@@ -44,50 +44,64 @@ def task_vector_name(task: str) -> str:
     return f"{TASK_VECTOR}{task}"
 
 
-@register_strategy
 @dataclass
+class FedAvgConfig(StrategyConfig):
+    server_lr: float = option(1.0, "server step size α: the state moves by α times the mean update")
+    forget_tasks: list[str] | None = option(None, "unlearning: negate the updates of the clients holding these tasks")
+    forget_clients: list[int] | None = option(None, "unlearning: negate the updates of these clients")
+    track_task_vectors: bool = option(False, "keep each task's accumulated vector (for one-shot negation)")
+
+    def validate(self):
+        if any(c < 0 for c in self.forget_clients or ()):
+            raise ConfigError(f"strategy options: forget_clients must be client ids >= 0, got {self.forget_clients}")
+
+
+@register_strategy
 class FedAvg(Strategy):
     name = "fedavg"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
-
-    server_lr: float = 1.0
-    forget_tasks: list[str] | None = None
-    track_task_vectors: bool = False
+    config_class = FedAvgConfig
+    capabilities = Capabilities(federated_unlearning=True, task_vector_tracking=True)
 
     def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
-        """Extra `LocalTrainer.train` arguments for `task` (the linearization point, for NTKFedAvg)."""
+        """Extra `LocalTrainer.train` arguments for `task` (an objective, a linearization point)."""
         return {}
 
-    def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
+    def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
-        if self.track_task_vectors:
+        if self.config.track_task_vectors:
             state.vectors.update({task_vector_name(t.name): state.vectors[SHARED].zeros_like() for t in tasks})
         return state
 
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
-        shared, heads, metrics = train_tasks_in_turn(downlink, job, trainer,
-                                                     options=lambda task: self._train_options(downlink, job, task))
-        vectors = {SHARED: shared - downlink[SHARED]}
-        vectors.update({head_name(t): h - downlink[head_name(t)] for t, h in heads.items()})
-        return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
+        return delta_update(downlink, job, trainer, options=lambda task: self._train_options(downlink, job, task))
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
-        updates = negate_forgotten(updates, self.forget_tasks or ())
-        vectors = dict(state.vectors)
+        c = self.config
+        updates = negate_forgotten(updates, c.forget_tasks or (), c.forget_clients or ())
         mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
-        vectors[SHARED] = state.vectors[SHARED] + self.server_lr * mean
-        vectors.update(average_heads(state, updates, self.server_lr))
-        if self.track_task_vectors:
-            vectors.update(accumulate_task_vectors(state, updates, self.server_lr))
-        return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+        vectors = {SHARED: state.vectors[SHARED] + c.server_lr * mean, **average_heads(state, updates, c.server_lr)}
+        if c.track_task_vectors:
+            vectors.update(accumulate_task_vectors(state, updates, c.server_lr))
+        return state.next(vectors)
 
 
-def negate_forgotten(updates: list[ClientUpdate], forget: Iterable[str]) -> list[ClientUpdate]:
-    """Unlearning by negation: every vector of a client holding a task in `forget` flips sign, so
-    aggregation moves the model away from what that client's training would add."""
-    forget = set(forget)
-    return [dataclasses.replace(u, vectors={k: -v for k, v in u.vectors.items()}) if forget & set(u.num_samples) else u
-            for u in updates]
+def delta_update(downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer,
+                 options: Callable[[str], dict] = lambda task: {}) -> ClientUpdate:
+    """Train the client's tasks in turn (`train_tasks_in_turn`) and send the change of the shared
+    modules and of each head."""
+    shared, heads, metrics = train_tasks_in_turn(downlink, job, trainer, options=options)
+    vectors = {SHARED: shared - downlink[SHARED]}
+    vectors.update({head_name(t): h - downlink[head_name(t)] for t, h in heads.items()})
+    return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
+
+
+def negate_forgotten(updates: list[ClientUpdate], tasks: Iterable[str], clients: Iterable[int] = ()) -> list[ClientUpdate]:
+    """Unlearning by negation: every vector of a client holding a task in `tasks`, or listed in
+    `clients`, flips sign, so aggregation moves the model away from what its training would add."""
+    tasks, clients = set(tasks), set(clients)
+    return [dataclasses.replace(u, vectors={k: -v for k, v in u.vectors.items()})
+            if tasks & set(u.num_samples) or u.client_id in clients else u for u in updates]
 
 
 def accumulate_task_vectors(state: GlobalState, updates: list[ClientUpdate], server_lr: float) -> dict[str, TaskVector]:
@@ -123,13 +137,22 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
     return shared, heads, metrics
 
 
-@register_strategy
 @dataclass
+class FedProxConfig(FedAvgConfig):
+    proximal_mu: float = option(0.01, "FedProx's μ: clients add (μ/2)·‖θ − θ_s‖² to their loss")
+
+    def validate(self):
+        super().validate()
+        if self.proximal_mu < 0:
+            raise ConfigError(f"strategy options: proximal_mu must be >= 0, got {self.proximal_mu}")
+
+
+@register_strategy
 class FedProx(FedAvg):
     name = "fedprox"
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
+    config_class = FedProxConfig
 
-    proximal_mu: float = 0.01
-
-    def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
-        return {**super()._train_options(downlink, job, task), "proximal_mu": self.proximal_mu}
+    def _train_options(self, downlink, job, task) -> dict:
+        options = super()._train_options(downlink, job, task)
+        return {**options, "objectives": [*options.get("objectives", []), ProximalTerm(self.config.proximal_mu)]}

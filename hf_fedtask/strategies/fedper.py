@@ -18,7 +18,17 @@ from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, Strategy, head_name, register_strategy
+from hf_fedtask.core.fields import option
+from hf_fedtask.strategies.base import (
+    SHARED,
+    Capabilities,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    StrategyConfig,
+    head_name,
+    register_strategy,
+)
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 PERSONAL = "personal"
@@ -36,18 +46,26 @@ def last_block_keys(keys: list[str], blocks: int) -> list[str]:
     return [k for k, i in indices.items() if i > last - blocks]
 
 
-@register_strategy
 @dataclass
+class FedPerConfig(StrategyConfig):
+    personal_blocks: int = option(1, "last transformer blocks kept on the client (with the heads)")
+    server_lr: float = option(1.0, "server step size α")
+
+    def validate(self):
+        if self.personal_blocks < 1:
+            raise ConfigError(f"strategy options: personal_blocks must be >= 1, got {self.personal_blocks}")
+
+
+@register_strategy
 class FedPer(Strategy):
     name = "fedper"
     paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818, 2019"
-
-    personal_blocks: int = 1
-    server_lr: float = 1.0
+    config_class = FedPerConfig
+    capabilities = Capabilities(client_evaluation=True)
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
-        state.scalars["personal_keys"] = last_block_keys(list(state.vectors[SHARED]), self.personal_blocks)
+        state.scalars["personal_keys"] = last_block_keys(list(state.vectors[SHARED]), self.config.personal_blocks)
         return state
 
     def _split(self, state: GlobalState, tv: TaskVector) -> tuple[TaskVector, TaskVector]:
@@ -70,9 +88,7 @@ class FedPer(Strategy):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
         global_part, personal_init = self._split(state, state.vectors[SHARED])
-        vectors = dict(state.vectors)
-        vectors[SHARED] = TaskVector({**(global_part + self.server_lr * mean), **personal_init})
-        return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+        return state.next({SHARED: TaskVector({**(global_part + self.config.server_lr * mean), **personal_init})})
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         global_part, personal_init = self._split(state, state.vectors[SHARED])

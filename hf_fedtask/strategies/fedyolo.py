@@ -41,7 +41,17 @@ from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, Strategy, head_name, heads_of, register_strategy
+from hf_fedtask.core.fields import option
+from hf_fedtask.strategies.base import (
+    SHARED,
+    Capabilities,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    StrategyConfig,
+    head_name,
+    register_strategy,
+)
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
@@ -98,27 +108,30 @@ class _TaskAdapters:
             return self.trainer.train(state, data, **kwargs)
 
 
-@register_strategy
 @dataclass
+class FedYoloConfig(StrategyConfig):
+    share: str = option("none", "modules shared by all tasks: none | half (first ⌊L/2⌋ blocks) | all",
+                        choices=SHARE_MODES)
+    secure_aggregation: bool = option(False, "privacy variant: K-task slot uploads, masked on the clients; "
+                                      "the server sees only their sum")
+    sample_weighted: bool = option(False, "weight the per-task means by sample counts (the paper: unweighted)")
+
+
+@register_strategy
 class FedYolo(Strategy):
     name = "fedyolo"
     paper = ("Zhang et al., FedYolo: Augmenting Federated Learning with Pretrained Transformers, "
              "arXiv 2307.04905, 2023")
+    config_class = FedYoloConfig
+    capabilities = Capabilities(secure_aggregation=True, exports=("adapters", "multi_adapter"))
 
-    per_task_modules = True
-
-    share: str = "none"  # none | half | all
-    secure_aggregation: bool = False  # privacy variant: K-slot uploads, pairwise-masked, server sees the sum
-    sample_weighted: bool = False  # the paper's mean is unweighted
-
-    def check(self) -> None:
-        if self.share not in SHARE_MODES:
-            raise ConfigError(f"fedyolo: unknown share {self.share!r}; choose one of {', '.join(SHARE_MODES)}")
+    def uses_secure_aggregation(self) -> bool:
+        return self.config.secure_aggregation
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
         modules = state.vectors.pop(SHARED)  # the seeded PEFT init: every task's module starts there
-        shared = set(shared_module_keys(list(modules), self.share))
+        shared = set(shared_module_keys(list(modules), self.config.share))
         if shared:
             state.vectors[SHARED] = modules.filter(lambda k: k in shared)
         own = modules.filter(lambda k: k not in shared)
@@ -135,11 +148,11 @@ class FedYolo(Strategy):
         """The shared modules and the modules and heads of the client's tasks, never another task's."""
         out = _shared(state)
         out.update({module_name(t): state.vectors[module_name(t)] for t in tasks if module_name(t) in state.vectors})
-        return {**out, **heads_of(state, tasks)}
+        return {**out, **state.heads(tasks)}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         """The downlink's layout; with secure aggregation, the slot layout, the same for every client."""
-        if not self.secure_aggregation:
+        if not self.config.secure_aggregation:
             return super().update_templates(state, client_id, tasks)
         tasks = _tasks(state)
         templates = _shared(state)
@@ -161,11 +174,11 @@ class FedYolo(Strategy):
                 if name in downlink:
                     vectors[name] = TaskVector({k: v for k, v in tv.items() if k in downlink[name]}) - downlink[name]
         update = ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
-        return self._slots(update, job) if self.secure_aggregation else update
+        return self._slots(update, job) if self.config.secure_aggregation else update
 
     def _weight(self, update: ClientUpdate, task: str | None = None) -> float:
         """A client's weight in a task's mean (in the shared mean with `task=None`)."""
-        if not self.sample_weighted:
+        if not self.config.sample_weighted:
             return 1.0
         return float(update.total_samples if task is None else update.num_samples[task])
 
@@ -185,10 +198,8 @@ class FedYolo(Strategy):
         return ClientUpdate(update.client_id, update.round, vectors, update.num_samples, update.metrics)
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
-        means = self._means_from_sum(state, updates) if self.secure_aggregation else self._means(updates)
-        vectors = dict(state.vectors)
-        vectors.update({name: state.vectors[name] + mean for name, mean in means.items()})
-        return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+        means = self._means_from_sum(state, updates) if self.config.secure_aggregation else self._means(updates)
+        return state.next({name: state.vectors[name] + mean for name, mean in means.items()})
 
     def _means(self, updates: list[ClientUpdate]) -> dict[str, TaskVector]:
         """Alg. 1, lines 10–13: each task's mean change over its sampled holders; the shared part's

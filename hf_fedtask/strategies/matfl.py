@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_fedtask.core.fields import option
+
 import torch
 
 from hf_fedtask.errors import ConfigError
@@ -22,12 +24,13 @@ from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.strategies.base import (
     SHARED,
     GlobalState,
+    Strategy,
+    StrategyConfig,
     average_heads,
     head_name,
-    heads_of,
     register_strategy,
 )
-from hf_fedtask.strategies.fedavg import FedAvg
+from hf_fedtask.strategies.fedavg import delta_update
 
 
 def model_name(client_id: int) -> str:
@@ -40,17 +43,24 @@ def cosine_similarity_matrix(vectors: list[TaskVector]) -> torch.Tensor:
     return flat @ flat.T
 
 
-@register_strategy
 @dataclass
-class MaTFL(FedAvg):
+class MaTFLConfig(StrategyConfig):
+    server_lr: float = option(1.0, "server step size α")
+    group_size: int = option(3, "peers (self included) each client aggregates with")
+
+    def validate(self):
+        if self.group_size < 1:
+            raise ConfigError(f"strategy options: group_size must be >= 1, got {self.group_size}")
+
+
+@register_strategy
+class MaTFL(Strategy):
     name = "matfl"
     paper = "Cai et al., Many-Task Federated Learning: A New Problem Setting and a Simple Baseline, CVPRW 2023"
+    config_class = MaTFLConfig
 
-    group_size: int = 3
-
-    def check(self) -> None:
-        if self.group_size < 1:
-            raise ConfigError(f"config: group_size must be >= 1, got {self.group_size}")
+    def client_update(self, downlink, job, trainer) -> ClientUpdate:
+        return delta_update(downlink, job, trainer)
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
@@ -58,17 +68,17 @@ class MaTFL(FedAvg):
         return state
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        return {SHARED: state.vectors[model_name(client_id)], **heads_of(state, tasks)}
+        return {SHARED: state.vectors[model_name(client_id)], **state.heads(tasks)}
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         similarity = cosine_similarity_matrix([u.vectors[SHARED] for u in updates])
-        vectors = dict(state.vectors)
+        vectors = {}
         for i, u in enumerate(updates):
-            group = torch.argsort(similarity[i], descending=True, stable=True)[: self.group_size].tolist()
+            group = torch.argsort(similarity[i], descending=True, stable=True)[: self.config.group_size].tolist()
             mean = weighted_average((updates[j].vectors[SHARED] for j in group), (updates[j].total_samples for j in group))
-            vectors[model_name(u.client_id)] = state.vectors[model_name(u.client_id)] + self.server_lr * mean
-        vectors.update(average_heads(state, updates, self.server_lr))
-        return GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+            vectors[model_name(u.client_id)] = state.vectors[model_name(u.client_id)] + self.config.server_lr * mean
+        vectors.update(average_heads(state, updates, self.config.server_lr))
+        return state.next(vectors)
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         holders = state.holders(task)

@@ -23,7 +23,10 @@ averaged over the task's holders as in FedAvg (the paper's ViT heads are not des
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from hf_fedtask.core.fields import option
 
 import torch
 
@@ -38,7 +41,9 @@ from hf_fedtask.strategies.base import (
     SHARED,
     ClientJob,
     GlobalState,
+    Capabilities,
     Strategy,
+    StrategyConfig,
     average_heads,
     head_name,
     register_strategy,
@@ -104,31 +109,30 @@ def decode_heads(wire: TaskVector, templates: dict[str, TaskVector]) -> dict[str
     return {t: TaskVector.unflatten(part, templates[t]) for t, part in zip(templates, parts)}
 
 
-@register_strategy
 @dataclass
+class MaTUConfig(StrategyConfig):
+    rho: float = option(0.4, "agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)")
+    kappa: int = option(2, "neighbours per task in the cross-task aggregation (never given by the paper)")
+    epsilon: float = option(0.5, "minimum sign similarity S(t, t') of a neighbour")
+    combine: str = option("s_normalized", "Eq. 7: sum (literal) | mean | s_normalized", choices=COMBINE_RULES)
+    rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)", choices=tuple(RESCALERS))
+    include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
+    wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
+                             choices=tuple(WIRE_DTYPES))
+
+    def validate(self):
+        if not 0 <= self.rho <= 1:
+            raise ConfigError(f"strategy options: rho must be in [0, 1], got {self.rho}")
+        if self.kappa < 0:
+            raise ConfigError(f"strategy options: kappa must be >= 0, got {self.kappa}")
+
+
+@register_strategy
 class MaTU(Strategy):
     name = "matu"
     paper = "Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025"
-
-    rho: float = 0.4  # agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)
-    kappa: int = 2  # neighbours per task in the cross-task aggregation (never given by the paper)
-    epsilon: float = 0.5  # minimum sign similarity S(t, t') of a neighbour
-    combine: str = "s_normalized"  # Eq. 7: sum (literal) | mean | s_normalized
-    rescaler: str = "global_sum"  # global_sum (the paper) | per_tensor_mean (EMR's code)
-    include_self: bool = False  # whether t may be its own neighbour (S(t, t) = 1)
-    wire_dtype: str = "float32"  # dtype of the unified vector on the wire (bfloat16 halves it)
-
-    def check(self) -> None:
-        if self.combine not in COMBINE_RULES:
-            raise ConfigError(f"config: combine must be one of {', '.join(COMBINE_RULES)}, got {self.combine!r}")
-        if self.rescaler not in RESCALERS:
-            raise ConfigError(f"config: rescaler must be one of {', '.join(RESCALERS)}, got {self.rescaler!r}")
-        if not 0 <= self.rho <= 1:
-            raise ConfigError(f"config: rho must be in [0, 1], got {self.rho}")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ConfigError(f"config: wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
-        if self.kappa < 0:
-            raise ConfigError(f"config: kappa must be >= 0, got {self.kappa}")
+    config_class = MaTUConfig
+    capabilities = Capabilities(exports=("adapters", "compact"))
 
     # -- state ---------------------------------------------------------------------------------
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
@@ -147,7 +151,7 @@ class MaTU(Strategy):
 
     def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
         """All tasks unified (what is evaluated and exported), kept in the state as `export`."""
-        return {EXPORTED: encode_wire(self._task_vectors(state, self._all_tasks(state)), self.rescaler)}
+        return {EXPORTED: encode_wire(self._task_vectors(state, self._all_tasks(state)), self.config.rescaler)}
 
     def compact_form(self, state: GlobalState) -> dict:
         """The exported form as `hf_fedtask.compact.save_compact` arguments (bool masks per key)."""
@@ -175,12 +179,12 @@ class MaTU(Strategy):
         return {t: state.vectors[head_name(t)] for t in tasks}
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        return {WIRE: encode_wire(self._task_vectors(state, tasks), self.rescaler, self.wire_dtype,
+        return {WIRE: encode_wire(self._task_vectors(state, tasks), self.config.rescaler, self.config.wire_dtype,
                                   heads=self._heads(state, tasks))}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         numel = sum(t.numel() for t in state.vectors[SHARED].values())
-        return {WIRE: wire_template(numel, tasks, self.wire_dtype, heads=self._heads(state, tasks))}
+        return {WIRE: wire_template(numel, tasks, self.config.wire_dtype, heads=self._heads(state, tasks))}
 
     # -- client ------------------------------------------------------------------------------------
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
@@ -193,38 +197,37 @@ class MaTU(Strategy):
             trained_vectors[task] = trained.filter(lambda k: k in origin) - origin
             head_deltas[task] = trained.filter(lambda k: k not in origin) - heads[task]
             metrics[f"{task}/train_loss"] = m["train_loss"]
-        update = encode_wire(trained_vectors, self.rescaler, self.wire_dtype, heads=head_deltas)
+        update = encode_wire(trained_vectors, self.config.rescaler, self.config.wire_dtype, heads=head_deltas)
         return ClientUpdate(job.client_id, job.round, {WIRE: update}, job.num_samples(), metrics)
 
     # -- server ------------------------------------------------------------------------------------
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         origin = state.vectors[SHARED]
         same_task, soft_masks = {}, {}
-        for u in updates:  # the heads' changes, unpacked, are averaged as in FedAvg
-            tasks = sorted(u.num_samples)
-            u.vectors.update({head_name(t): h for t, h in decode_heads(u.vectors[WIRE], self._heads(state, tasks)).items()})
+        # the heads' changes, unpacked (into copies: the updates are not ours to change), are averaged as in FedAvg
+        updates = [dataclasses.replace(u, vectors={**u.vectors, **{
+            head_name(t): h for t, h in decode_heads(u.vectors[WIRE], self._heads(state, sorted(u.num_samples))).items()}})
+            for u in updates]
         for task in sorted({t for u in updates for t in u.num_samples}):
             holders = [u for u in updates if task in u.num_samples]
             total = sum(u.num_samples[task] for u in holders)
             # τ_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n), weighted by γ_n^t (Eq. 4); the sign vote of Eq. 3 ignores λ > 0
             reconstructed = [decode_task(u.vectors[WIRE], sorted(u.num_samples).index(task), origin) for u in holders]
-            soft_masks[task] = agreement_mask(reconstructed, self.rho)
+            soft_masks[task] = agreement_mask(reconstructed, self.config.rho)
             weighted = reconstructed[0].zeros_like()
             for u, r in zip(holders, reconstructed):
                 weighted = weighted + (u.num_samples[task] / total) * r
             same_task[task] = soft_masks[task] * weighted
-        vectors = dict(state.vectors)
-        vectors.update({task_vector_name(t): v for t, v in self._cross_task(same_task, soft_masks).items()})
-        vectors.update(average_heads(state, updates))
-        new = GlobalState(round=state.round + 1, vectors=vectors, scalars=dict(state.scalars))
+        vectors = {task_vector_name(t): v for t, v in self._cross_task(same_task, soft_masks).items()}
+        new = state.next({**vectors, **average_heads(state, updates)})
         new.vectors.update(self._exported(new))
         return new
 
     def neighbours(self, similarity: torch.Tensor, index: int) -> list[int]:
         """Z^t: the top-κ tasks by S(t, ·) among those with S > ε (t itself only if include_self)."""
         order = torch.argsort(similarity[index], descending=True, stable=True).tolist()
-        eligible = [j for j in order if similarity[index, j] > self.epsilon and (self.include_self or j != index)]
-        return eligible[: self.kappa]
+        eligible = [j for j in order if similarity[index, j] > self.config.epsilon and (self.config.include_self or j != index)]
+        return eligible[: self.config.kappa]
 
     def _cross_task(self, same_task: dict[str, TaskVector], soft_masks: dict[str, TaskVector]) -> dict[str, TaskVector]:
         """Eqs. 5-7 over the tasks that had participants this round."""
@@ -236,9 +239,9 @@ class MaTU(Strategy):
             cross = same_task[task].zeros_like()
             for j in zs:
                 cross = cross + float(similarity[i, j]) * (soft_masks[task] * same_task[tasks[j]])
-            if self.combine == "sum" or not zs:
+            if self.config.combine == "sum" or not zs:
                 out[task] = same_task[task] + cross
-            elif self.combine == "mean":
+            elif self.config.combine == "mean":
                 out[task] = 0.5 * (same_task[task] + cross)
             else:  # s_normalized: a similarity-weighted mean in which t weighs S(t, t) = 1
                 out[task] = (1.0 / (1.0 + sum(float(similarity[i, j]) for j in zs))) * (same_task[task] + cross)

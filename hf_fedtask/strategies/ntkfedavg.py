@@ -13,54 +13,54 @@ linearized model at θ_s (and, labelled `<metric>_nonlinear`, as the ordinary mo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from hf_fedtask.errors import ConfigError
-from hf_fedtask.model.linearize import MODES
+from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, head_name, register_strategy
-from hf_fedtask.strategies.fedavg import FedAvg, FedProx
-
-if TYPE_CHECKING:
-    from hf_fedtask.data.task import Task
-    from hf_fedtask.model.host import PeftHost
+from hf_fedtask.model.linearize import MODES
+from hf_fedtask.strategies.base import SHARED, Capabilities, ClientJob, GlobalState, head_name, register_strategy
+from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
 
 POINT = "linearized_at/"
 LINEARIZE_AT = ("server", "pretrained")
 
 
-@register_strategy
 @dataclass
+class NTKFedAvgConfig(FedAvgConfig):
+    linearize_at: str = option("server", "point clients linearize around: the server state of the round "
+                               "(re-linearized every round) or the pretrained/initial one", choices=LINEARIZE_AT)
+    linearization: str = option("network", "what is linearized: the whole network in the trainable parameters, "
+                                "or each LoRA layer on its own (L-LoRA)", choices=MODES)
+
+
+@register_strategy
 class NTKFedAvg(FedAvg):
     name = "ntkfedavg"
     paper = ("Muhamed, Mankikar and Smith, Fed Up with Complexity: Simplifying Many-Task Federated Learning "
              "with NTKFedAvg")
+    config_class = NTKFedAvgConfig
+    capabilities = Capabilities(federated_unlearning=True, task_vector_tracking=True, linearized=True,
+                                exports=("adapters", "linearized"))
 
-    linearize_at: str = "server"
-    linearization: str = "network"
+    @property
+    def linearization(self) -> str:
+        return self.config.linearization
 
-    def check(self) -> None:
-        if self.linearize_at not in LINEARIZE_AT:
-            raise ConfigError(f"linearize_at must be one of {', '.join(LINEARIZE_AT)}, got {self.linearize_at!r}")
-        if self.linearization not in MODES:
-            raise ConfigError(f"linearization must be one of {', '.join(MODES)}, got {self.linearization!r}")
-
-    def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
+    def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
         state.vectors.update(_point_of(state))  # round 0: linearized at the initial θ_0
         return state
 
     def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
-        if self.linearize_at == "server":
+        if self.config.linearize_at == "server":
             point = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
         else:
             point = TaskVector({**job.origin, **job.initial_heads[task]})
         return {**super()._train_options(downlink, job, task), "linearize_at": point,
-                "linearization": self.linearization}
+                "linearization": self.config.linearization}
 
     def server_aggregate(self, state: GlobalState, updates) -> GlobalState:
         new = super().server_aggregate(state, updates)
-        if self.linearize_at == "server":  # θ_{s,i+1} is evaluated in the expansion around θ_{s,i}
+        if self.config.linearize_at == "server":  # θ_{s,i+1} is evaluated in the expansion around θ_{s,i}
             new.vectors.update(_point_of(state))
         return new
 
@@ -73,9 +73,14 @@ def _point_of(state: GlobalState) -> dict[str, TaskVector]:
     return {POINT + k: v for k, v in state.vectors.items() if k == SHARED or k.startswith(head_name(""))}
 
 
-@register_strategy
 @dataclass
+class NTKFedProxConfig(NTKFedAvgConfig, FedProxConfig):
+    pass
+
+
+@register_strategy
 class NTKFedProx(NTKFedAvg, FedProx):
     """NTKFedAvg whose clients add FedProx's (μ/2)·‖θ − θ_s‖² (the paper uses μ = 1)."""
 
     name = "ntkfedprox"
+    config_class = NTKFedProxConfig

@@ -8,13 +8,13 @@ comparison resumes finished and unfinished runs instead of starting over.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.config import RunConfig
-from hf_fedtask.engine.run import RESULTS_FILE, run, write_atomic
+from hf_fedtask.core.files import write_atomic
+from hf_fedtask.engine.run import RESULTS_FILE, run
 from hf_fedtask.data.reference import shipped_reference
 
 INDIVIDUAL = "individual"
@@ -30,8 +30,9 @@ def run_comparison(base: RunConfig, methods: list[str] | dict[str, dict], settin
     for setting, overrides in settings.items():
         table[setting] = {}
         for method, method_overrides in methods.items():
-            config = dataclasses.replace(base, **{**method_overrides, **overrides},
-                                         output_dir=str(Path(base.output_dir) / setting / method))
+            method_overrides = dict(method_overrides)
+            config = base.for_strategy(method_overrides.pop("strategy", method), **method_overrides, **overrides,
+                                       output_dir=str(Path(base.output_dir) / setting / method))
             table[setting][method] = finished_results(config) or run(
                 config, resume=(Path(config.output_dir) / CHECKPOINT_FILE).exists())
     return table
@@ -43,7 +44,7 @@ def finished_results(config: RunConfig) -> dict | None:
     if not path.exists():
         return None
     results = json.loads(path.read_text())
-    previous = RunConfig.from_dict(results["config"], source=str(path))
+    previous = RunConfig.from_dict(results["config"], source=str(path), saved=True)
     return results if previous.same_run(config) and results["rounds"] == config.rounds else None
 
 

@@ -41,7 +41,7 @@ def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, P
 def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv: list[str] | None = None,
                after: Callable[[RunConfig, dict], None] | None = None) -> int:
     """Parse, run, print the report; bad input is one line on stderr and exit code 2."""
-    from hf_fedtask.export.artifacts import run_report
+    from hf_fedtask.report import run_report
     from hf_fedtask.engine.run import run
 
     args = recipe_parser(description, presets).parse_args(argv)

@@ -1,9 +1,9 @@
-"""Forgetting a task after training, two ways (NTKFedAvg §5, task arithmetic):
+"""Forgetting a task or a client after training, two ways (NTKFedAvg §5, task arithmetic):
 
 - **federated** (`unlearn`): continue a finished FedAvg-family run for R more rounds in which the
-  updates of the clients holding the forgotten task are negated before aggregation (Alg. 1, lines
-  8–9). It is an ordinary run warm-started from the finished one, so it logs, checkpoints, resumes,
-  plots (`unlearning.png`) and exports like any other, into its own folder.
+  updates of the clients holding the forgotten task (or of the forgotten client) are negated before
+  aggregation (Alg. 1, lines 8–9). It is an ordinary run warm-started from the finished one, so it
+  logs, checkpoints, resumes, plots (`unlearning.png`) and exports like any other, into its own folder.
 - **one-shot** (`negate_task`): subtract the task's vector, scaled, from the merged model:
   θ' = θ − λ·τ_task, where τ_task is the task's accumulated share of the run's updates to the
   shared modules (recorded with `track_task_vectors`) or a task vector the caller gives (a PEFT
@@ -18,57 +18,64 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedtask.export.artifacts import export_adapters
-from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
-from hf_fedtask.config import RunConfig
-from hf_fedtask.errors import ConfigError, OutputDirError
+from hf_fedtask.core.files import write_atomic
+from hf_fedtask.core.state import SHARED, head_name
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.engine.run import (
     RESULTS_FILE,
-    RUN_CONFIG_FILE,
     RoundContext,
-    Simulation,
     check_output_dir,
     claim_output_dir,
-    restore,
+    load_run_config,
+    open_finished_run,
     run,
+    run_export,
     summarize_results,
-    write_atomic,
 )
-from hf_fedtask.strategies.base import SHARED, head_name
+from hf_fedtask.engine.server import Server
+from hf_fedtask.errors import ConfigError, OutputDirError
+from hf_fedtask.export.artifacts import export_adapters
 from hf_fedtask.strategies.fedavg import task_vector_name
-from hf_fedtask.core.taskvector import TaskVector
 
 
-def _finished_run(run_dir: str | Path) -> tuple[Path, RunConfig]:
-    run_dir = Path(run_dir)
-    if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run (needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
-    return run_dir, RunConfig.from_yaml(run_dir / RUN_CONFIG_FILE)
+def _run_name_part(name: str) -> str:
+    """`name` as it may appear in a folder name; anything else is refused."""
+    if not name or any(c in name for c in "/\\\0") or name in (".", ".."):
+        raise ConfigError(f"unknown task {name!r}")
+    return name
 
 
-def unlearn(run_dir: str | Path, task: str, rounds: int, *, output_dir: str | Path | None = None,
-            resume: bool = False, overwrite: bool = False,
+def unlearn(run_dir: str | Path, task: str | None, rounds: int, *, client: int | None = None,
+            output_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
             callbacks: list[Callable[[RoundContext], None]] = ()) -> dict:
-    """Federated unlearning of `task` for `rounds` rounds after the run in `run_dir` (left as is).
-    Writes to `output_dir` (default `<run_dir>-unlearn-<task>`) and returns its results, whose
-    `unlearning` entry holds each task's metric before and after."""
-    run_dir, parent = _finished_run(run_dir)
+    """Federated unlearning of `task` (or of client `client`) for `rounds` rounds after the run in
+    `run_dir` (left as is). Writes to `output_dir` (default `<run_dir>-unlearn-<task>` or
+    `<run_dir>-unlearn-client<K>`) and returns its results, whose `unlearning` entry holds each
+    task's metric before and after."""
+    finished = open_finished_run(run_dir)  # validates the folder and its checkpoint
+    run_dir, parent = finished.run_dir, finished.env.config
+    strategy = finished.env.strategy
+    if not strategy.capabilities.federated_unlearning:
+        raise ConfigError(f"strategy {strategy.name!r} does not support federated unlearning; "
+                          "use a FedAvg-family strategy (fedavg, fedprox, ntkfedavg, ntkfedprox)")
+    if (task is None) == (client is None):
+        raise ConfigError("unlearn: give a task or a client")
     if rounds <= 0:
         raise ConfigError(f"unlearning rounds must be positive, got {rounds}")
-    finished = _finished_round(run_dir)
-    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-unlearn-{task}")
+    options = parent.strategy_options
+    if task is not None:
+        if task not in {t.name for t in finished.env.tasks}:
+            raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(t.name for t in finished.env.tasks)}")
+        suffix, change = _run_name_part(task), {"forget_tasks": [*(options.get("forget_tasks") or []), task]}
+    else:
+        if not 0 <= client < len(finished.state.allocation):
+            raise ConfigError(f"unknown client {client}; the run has clients 0-{len(finished.state.allocation) - 1}")
+        suffix, change = f"client{client}", {"forget_clients": [*(options.get("forget_clients") or []), client]}
+    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-unlearn-{suffix}")
     if out.resolve() == run_dir.resolve():
         raise OutputDirError(f"{out}: unlearning writes a new run; choose an output dir other than the original run")
-    config = dataclasses.replace(parent, forget_tasks=[*(parent.forget_tasks or []), task],
-                                 rounds=finished + rounds, output_dir=str(out))
+    config = dataclasses.replace(parent.with_options(**change), rounds=finished.state.round + rounds, output_dir=str(out))
     return run(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=run_dir)
-
-
-def _finished_round(run_dir: Path) -> int:
-    from safetensors import safe_open
-
-    with safe_open(str(run_dir / CHECKPOINT_FILE), "pt") as f:
-        return int(f.metadata()["round"])
 
 
 def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vector: str | Path | None = None,
@@ -76,32 +83,35 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     """One-shot unlearning: θ' = θ − scale·τ_task on the run's final model (shared modules and the task's head),
     evaluated on every task and exported (adapters + cards naming the removed task) to
     `output_dir` (default `<run_dir>-negate-<task>`). Returns the results written there."""
-    run_dir, parent = _finished_run(run_dir)
-    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-negate-{task}")
-    config = dataclasses.replace(parent, output_dir=str(out))
+    finished = open_finished_run(run_dir)
+    run_dir, env = finished.run_dir, finished.env
+    if task not in {t.name for t in env.tasks}:
+        raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(t.name for t in env.tasks)}")
+    if not env.strategy.capabilities.task_vector_tracking:
+        raise ConfigError(f"strategy {env.strategy.name!r} keeps no task vectors to negate; use a FedAvg-family run")
+    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-negate-{_run_name_part(task)}")
+    config = dataclasses.replace(load_run_config(run_dir), output_dir=str(out))
     check_output_dir(config, resume=False, overwrite=overwrite)
-    sim = Simulation(config)
-    if task not in {t.name for t in sim.tasks}:
-        raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(t.name for t in sim.tasks)}")
-    state, history = restore(sim, run_dir, parent.fingerprint())
-    tau = _task_vector(state, task, task_vector, sim)
-    before = sim.evaluate_all(state)
+    state, history = finished.state, finished.history
+    tau = _task_vector(state, task, task_vector, env)
+    server = Server(env)
+    before = server.evaluate(state, stores=finished.stores)
     state.vectors[SHARED] = state.vectors[SHARED] - tau * scale
     head = head_name(task)  # the task's own head moved only for this task: its change is part of τ_task
-    state.vectors[head] = state.vectors[head] - (state.vectors[head] - sim.initial_heads[task]) * scale
-    after = sim.evaluate_all(state)
+    state.vectors[head] = state.vectors[head] - (state.vectors[head] - env.initial_heads[task]) * scale
+    after = server.evaluate(state, stores=finished.stores)
     record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
-    results = summarize_results(sim, state, [*history, record])
+    results = summarize_results(env, state, [*history, record])
     results["unlearning"] = {"method": "one-shot: the task's vector, scaled, was subtracted from the merged model",
                              "tasks": [task], "scale": scale, "task_vector": str(task_vector or task_vector_name(task)),
                              "before": before, "after": after}
     out = claim_output_dir(config, overwrite=overwrite)
-    export_adapters(sim, state, results, out)
+    export_adapters(run_export(env, finished.stores), state, results, out)
     write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results
 
 
-def _task_vector(state, task: str, source: str | Path | None, sim: Simulation) -> TaskVector:
+def _task_vector(state, task: str, source: str | Path | None, env) -> TaskVector:
     """τ_task: recorded by the run, or read from `source` relative to the run's PEFT init."""
     if source is None:
         key = task_vector_name(task)
@@ -112,11 +122,11 @@ def _task_vector(state, task: str, source: str | Path | None, sim: Simulation) -
     from hf_fedtask.workflows.merge_adapters import read_input
 
     given = read_input(source)
-    if given.config_hash != sim.peft_hash:
+    if given.config_hash != env.peft_hash:
         raise ConfigError(f"{source}: trained with another PEFT config than the run (peft_config_hash differs)")
     shared = state.vectors[SHARED]
     missing = sorted(set(shared) - set(given.tensors))
     if missing:
         raise ConfigError(f"{source}: lacks the run's PEFT module key {missing[0]!r}")
     tensors = given.tensors.filter(lambda k: k in shared)
-    return tensors if given.delta else tensors - sim.origin
+    return tensors if given.delta else tensors - env.origin

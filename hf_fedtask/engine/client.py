@@ -1,0 +1,81 @@
+"""The client half of every engine: a client built from the run's environment and its id alone,
+answering train / query / evaluate instructions with safetensors bytes.
+
+The in-process engine calls it directly; a Flower ClientApp calls it inside a SuperNode with the
+client's private store kept in the node's state. Secure aggregation masks here, on the client, so
+the server only ever holds masked uploads.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hf_fedtask.client.evaluation import evaluate
+from hf_fedtask.core.secagg import SecAggClient
+from hf_fedtask.core.state import ClientStore
+from hf_fedtask.core.taskvector import TaskVector, make_metadata
+from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.engine.environment import Environment
+from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN, ClientJob
+
+
+class ClientRuntime:
+    """Client `client_id` of the run in `env`. `secagg_secret`: the seed of its Diffie-Hellman secret
+    for secure aggregation (the in-process simulator uses the run seed so runs repeat exactly; a
+    Flower client keeps a random one in its node state)."""
+
+    def __init__(self, env: Environment, client_id: int, secagg_secret: int | bytes | str | None = None):
+        self.env = env
+        self.client_id = client_id
+        self.secagg_secret = env.config.seed if secagg_secret is None else secagg_secret
+
+    def handle(self, ins: Instruction, store: ClientStore) -> bytes:
+        """The reply to `ins`; `store` (the client's private tensors) is updated in place."""
+        if ins.client_id != self.client_id:
+            raise ConfigError(f"client {self.client_id} received an instruction for client {ins.client_id}")
+        query = ins.config.get("query", "")
+        if ins.kind == QUERY and query == SECAGG_PUBLIC_KEY:
+            return self._metadata_reply(ins, public_key=str(self._secagg().public_key))
+        if ins.kind == QUERY and query == SECAGG_REVEAL:
+            peers = {int(c): int(k) for c, k in ins.config["peers"].items()}
+            seeds = self._secagg().reveal_pair_seeds(ins.config["dropped"], ins.round, peers=peers)
+            return self._metadata_reply(ins, seeds=json.dumps({str(c): s.hex() for c, s in seeds.items()}))
+        env, strategy = self.env, self.env.strategy
+        downlink = unpack_vectors(TaskVector.from_bytes(ins.payload, source=f"downlink to client {self.client_id}"))
+        job = ClientJob(client_id=self.client_id, round=ins.round, data=env.client_data(self.client_id),
+                        seed=env.config.seed, origin=env.origin, initial_heads=env.initial_heads, store=store,
+                        query=query)
+        if ins.kind == TRAIN:
+            update = strategy.client_update(downlink, job, env.trainer)
+            if "secagg_peers" in ins.config:
+                return self._masked(update, ins)
+            return update.to_bytes(**env.header())
+        if ins.kind == QUERY:
+            return strategy.client_query(downlink, job, env.trainer).to_bytes(**env.header())
+        if ins.kind == EVALUATE:
+            metrics = {task: self._evaluate(strategy.client_task_parameters(downlink, job, task), task)
+                       for task in ins.config["tasks"]}
+            return ClientUpdate(self.client_id, ins.round, {}, job.num_samples(), metrics).to_bytes(**env.header())
+        raise ConfigError(f"unknown message kind {ins.kind!r}")
+
+    def _evaluate(self, params: TaskVector, task: str) -> dict:
+        t = self.env.task_by_name[task]
+        return evaluate(self.env.host, params, self.env.test_data(task), t.metric, self.env.config.eval_batch_size)
+
+    def _secagg(self) -> SecAggClient:
+        return SecAggClient(self.client_id, seed=self.secagg_secret)
+
+    def _masked(self, update: ClientUpdate, ins: Instruction) -> bytes:
+        """The update flattened, fixed-point encoded and masked, as int64, under a header that names no
+        task (sample counts and training metrics stay on the client)."""
+        peers = {int(c): int(k) for c, k in ins.config["secagg_peers"].items()}
+        masked = self._secagg().mask(pack_vectors(update.vectors), ins.round, peers)
+        meta = make_metadata(**self.env.header(), kind="delta", task_ids=[], client_id=self.client_id, round=ins.round)
+        return masked.to_bytes(metadata={**meta, **masked.raw_metadata})
+
+    def _metadata_reply(self, ins: Instruction, **fields: str) -> bytes:
+        meta = make_metadata(**self.env.header(), kind="delta", task_ids=[], client_id=self.client_id,
+                             round=ins.round, **fields)
+        return TaskVector({}).to_bytes(metadata=meta)

@@ -1,0 +1,169 @@
+"""What a process needs to act for a run, built from the `RunConfig` alone: the strategy, the loaded
+tasks, the one host model, the local trainer and the seeded federation partition.
+
+Each part is built on first use, so an export builds the host model but never tokenizes data, and a
+client tokenizes only its own partition. One environment serves every client an in-process engine
+simulates (one model in memory) and the server beside them; a Flower client process builds its own
+from the same config and gets the same partition, the same seeded PEFT init and the same heads.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from datasets import Dataset
+
+from hf_fedtask.client.trainer import LocalTrainer, LocalTrainingArgs
+from hf_fedtask.config import RunConfig
+from hf_fedtask.core.state import SHARED, GlobalState, head_name
+from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
+from hf_fedtask.data import build_federation, load_suite, load_task
+from hf_fedtask.data.task import Task
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.backbone import BaseModelRef, input_kind, resolve_base_model
+from hf_fedtask.model.host import PeftHost
+from hf_fedtask.model.peft_methods import make_peft_config
+from hf_fedtask.strategies import Strategy, build_strategy
+
+
+def load_tasks(config: RunConfig) -> list[Task]:
+    if config.tasks:
+        tasks = [load_task(ref, seed=config.seed) for ref in config.tasks]
+    else:
+        tasks = load_suite(config.suite, seed=config.seed)
+    if config.max_train_samples:
+        for t in tasks:
+            n = min(config.max_train_samples, len(t.dataset["train"]))
+            t.dataset["train"] = t.dataset["train"].shuffle(seed=config.seed).select(range(n))
+    return tasks
+
+
+def build_host(config: RunConfig) -> PeftHost:
+    """The one in-memory PEFT model a run uses, from the config's model keys; the base model's
+    architecture decides the modality (text or image) and so the PEFT head settings."""
+    base = resolve_base_model(config.base_model, config.base_model_id)
+    peft_config = make_peft_config(
+        config.peft_method,
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules,
+        num_virtual_tokens=config.num_virtual_tokens,
+        modality=input_kind(base).modality,
+        backbone=backbone_name(base) if config.peft_method == "full" else None,
+    )
+    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
+
+
+def backbone_name(base: BaseModelRef) -> str:
+    """The classifier's attribute holding the pretrained trunk (`bert`, `vit`, ...), from its class."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    model_type = transformers.AutoConfig.from_pretrained(base.load_path).model_type
+    names = (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if input_kind(base).modality == "text"
+             else modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+    return getattr(transformers, names[model_type]).base_model_prefix
+
+
+def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
+    """The local-training recipe from the config's optimizer keys."""
+    return LocalTrainer(
+        host,
+        LocalTrainingArgs(
+            epochs=config.local_epochs,
+            max_steps=config.local_steps,
+            batch_size=config.batch_size,
+            learning_rate=config.learning_rate,
+            lr_scheduler=config.lr_scheduler,
+            warmup_steps=config.warmup_steps,
+            weight_decay=config.weight_decay,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        ),
+    )
+
+
+class Environment:
+    """The run's parts in this process, each built on first use from `config`."""
+
+    def __init__(self, config: RunConfig, strategy: Strategy | None = None):
+        self.config = config
+        self.strategy = strategy or build_strategy(config.strategy, config.strategy_options)
+        self._client_data: dict[int, dict[str, Dataset]] = {}
+        self._test_data: dict[str, Dataset] = {}
+
+    @cached_property
+    def tasks(self) -> list[Task]:
+        return load_tasks(self.config)
+
+    @cached_property
+    def task_by_name(self) -> dict[str, Task]:
+        return {t.name: t for t in self.tasks}
+
+    @cached_property
+    def host(self) -> PeftHost:
+        return build_host(self.config)
+
+    @cached_property
+    def trainer(self) -> LocalTrainer:
+        return build_trainer(self.host, self.config)
+
+    @cached_property
+    def partition(self) -> list[dict[str, Dataset]]:
+        """Every client's raw train data per task (the seeded partitioner: the same in every process)."""
+        c = self.config
+        return build_federation(self.tasks, c.num_clients or len(self.tasks), zeta=c.zeta, partition=c.partition,
+                                alpha=c.alpha, classes_per_client=c.classes_per_client, seed=c.seed,
+                                min_samples=c.min_samples)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.partition)
+
+    @cached_property
+    def allocation(self) -> dict[int, list[str]]:
+        """A(n, t): client id -> the tasks it holds."""
+        return {cid: sorted(data) for cid, data in enumerate(self.partition)}
+
+    def client_data(self, client_id: int) -> dict[str, Dataset]:
+        """Client `client_id`'s own train data, prepared for the model (tokenized once, then cached)."""
+        if not 0 <= client_id < self.num_clients:
+            raise ConfigError(f"client id {client_id} is outside this run's {self.num_clients} clients")
+        if client_id not in self._client_data:
+            self._client_data[client_id] = {name: self.host.tokenize(ds, self.task_by_name[name])
+                                            for name, ds in self.partition[client_id].items()}
+        return self._client_data[client_id]
+
+    def test_data(self, task: str) -> Dataset:
+        """Task `task`'s test split, prepared for the model (cached)."""
+        if task not in self._test_data:
+            t = self.task_by_name[task]
+            self._test_data[task] = self.host.tokenize(t.dataset["test"], t)
+        return self._test_data[task]
+
+    @cached_property
+    def peft_hash(self) -> str:
+        return peft_config_hash(self.host.model.peft_config["default"])
+
+    def header(self) -> dict:
+        """Header fields every update must carry: the base model and PEFT config it was trained for."""
+        base = self.host.base
+        return {"base_model": base.model_id, "base_model_revision": base.revision, "peft_config_hash": self.peft_hash}
+
+    def initial_state(self, allocation: dict[int, list[str]] | None = None) -> GlobalState:
+        """The strategy's state before any training: the seeded PEFT init θ_p and heads."""
+        return self.strategy.init_state(self.host, self.tasks, self.config.seed,
+                                        self.allocation if allocation is None else allocation)
+
+    @cached_property
+    def _initial(self) -> GlobalState:
+        return self.initial_state()
+
+    @property
+    def origin(self) -> TaskVector | None:
+        """The seeded PEFT init every task vector is measured from; None when no module is shared."""
+        return self._initial.vectors.get(SHARED)
+
+    @property
+    def initial_heads(self) -> dict[str, TaskVector]:
+        return {t.name: self._initial.vectors[head_name(t.name)] for t in self.tasks}

@@ -1,0 +1,227 @@
+"""The server half of every engine: one round of the shared loop.
+
+    sample clients (seeded) -> downlink bytes -> transport -> replies validated as untrusted uploads
+    -> strategy.server_aggregate -> evaluate every task -> a metrics record
+
+Only `transport.exchange` differs between engines, so byte accounting, validation and the records
+written to metrics.jsonl are the same whether clients ran in this process or in Flower SuperNodes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hf_fedtask.client.evaluation import evaluate
+from hf_fedtask.core.files import write_atomic
+from hf_fedtask.core.state import GlobalState
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate, pack_vectors
+from hf_fedtask.engine.environment import Environment
+from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
+from hf_fedtask.engine.secure import SecureAggregation, parse_seeds
+from hf_fedtask.engine.transport import Transport
+from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
+
+EMPTY = TaskVector({}).to_bytes()
+
+
+class Server:
+    """The per-run server side: sampling, the round, evaluation. `payload_dir`: keep every round's
+    wire bytes there (audits)."""
+
+    def __init__(self, env: Environment, payload_dir: Path | None = None):
+        self.env = env
+        self.strategy = env.strategy
+        self.config = env.config
+        self.payload_dir = payload_dir
+
+    @property
+    def num_clients(self) -> int:
+        return self.env.num_clients
+
+    @property
+    def clients_per_round(self) -> int:
+        return max(1, int(np.ceil(self.config.participation * self.num_clients - 1e-9)))
+
+    def sample_clients(self, round_: int) -> list[int]:
+        """Participation ξ: a seeded sample of ⌈ξ·N⌉ clients, a function of (seed, round) only."""
+        rng = np.random.default_rng([self.config.seed, round_])
+        return sorted(int(c) for c in rng.choice(self.num_clients, size=self.clients_per_round, replace=False))
+
+    def check(self) -> None:
+        """What can be refused before anything is written."""
+        if self.strategy.uses_secure_aggregation() and self.clients_per_round < 2:
+            raise ConfigError(f"secure_aggregation needs at least 2 clients per round, this run samples "
+                              f"{self.clients_per_round}: raise participation or num_clients")
+        names = {t.name for t in self.env.tasks}
+        unknown = [t for t in self.forgotten_tasks if t not in names]
+        if unknown:
+            raise ConfigError(f"forget_tasks: unknown task {unknown[0]!r}; the run's tasks are {', '.join(names)}")
+        outside = [c for c in self.forgotten_clients if c >= self.num_clients]
+        if outside:
+            raise ConfigError(f"forget_clients: client {outside[0]} is outside this run's {self.num_clients} clients")
+
+    @property
+    def forgotten_tasks(self) -> list[str]:
+        return (self.strategy.config.forget_tasks or []) if self.strategy.capabilities.federated_unlearning else []
+
+    @property
+    def forgotten_clients(self) -> list[int]:
+        return (self.strategy.config.forget_clients or []) if self.strategy.capabilities.federated_unlearning else []
+
+    # -- one round ------------------------------------------------------------------------------------
+    def round(self, state: GlobalState, round_: int, transport: Transport) -> tuple[GlobalState, dict]:
+        start = time.perf_counter()
+        strategy, header, allocation = self.strategy, self.env.header(), state.allocation
+        clients = self.sample_clients(round_)
+        kind = strategy.message_kind(state)
+        config = {"query": strategy.query_name(state)} if kind == QUERY else {}
+        secure = None
+        if kind == TRAIN and strategy.uses_secure_aggregation():
+            secure, clients = self._key_exchange(state, round_, clients, transport)
+            config["secagg_peers"] = secure.peers
+        sent = {c: pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes() for c in clients}
+        replies = transport.exchange([Instruction(kind, round_, c, sent[c], config) for c in clients])
+        received = [c for c in clients if c in replies]
+        if not received:
+            raise FedTaskError(f"round {round_}: no client replied ({_failures(transport)})")
+        traffic, updates = {}, []
+        for c in received:
+            traffic[c] = {"uplink": len(replies[c]), "downlink": len(sent[c])}
+            self._keep_payloads(round_, c, replies[c], sent[c])
+            if secure is not None:
+                secure.receive(c, replies[c])
+                numel = secure.template.numel()
+            else:
+                update = ClientUpdate.from_bytes(replies[c], templates=strategy.update_templates(state, c, allocation[c]),
+                                                 expect=header, source=f"client {c} (round {round_})")
+                updates.append(update)
+                numel = sum(tv.numel() for tv in update.vectors.values())
+            # the paper's communication cost T x M x P counts parameters: P = numel of what is sent
+            traffic[c].update(params_uplink=numel, params_downlink=TaskVector.from_bytes(sent[c], source="").numel())
+        if secure is not None:
+            updates = [secure.finish(lambda survivor, dropped: self._reveal(survivor, dropped, round_, secure,
+                                                                            transport))]  # the sum only
+        state = strategy.server_aggregate(state, updates)
+        evals = self.evaluate(state, transport)
+        return state, self._record(round_, kind, received, clients, transport, updates, evals, traffic, start)
+
+    def _key_exchange(self, state, round_, clients, transport) -> tuple[SecureAggregation, list[int]]:
+        first = clients[0]
+        secure = SecureAggregation(self.strategy.update_templates(state, first, state.allocation[first]), round_,
+                                   self.env.header())
+        keys = transport.exchange([Instruction(QUERY, round_, c, EMPTY, {"query": SECAGG_PUBLIC_KEY}) for c in clients])
+        for c in clients:
+            if c in keys:
+                secure.register(c, keys[c])
+        return secure, [c for c in clients if c in keys]
+
+    def _reveal(self, survivor: int, dropped: list[int], round_: int, secure: SecureAggregation,
+                transport: Transport) -> dict[int, bytes]:
+        ins = Instruction(QUERY, round_, survivor, EMPTY, {"query": SECAGG_REVEAL, "dropped": dropped,
+                                                           "peers": secure.peers})
+        reply = transport.exchange([ins])
+        if survivor not in reply:
+            raise FedTaskError(f"secure aggregation, round {round_}: survivor {survivor} did not reveal its seeds "
+                               f"({_failures(transport)})")
+        return parse_seeds(reply[survivor], source=f"client {survivor} (round {round_}, seeds)")
+
+    def _keep_payloads(self, round_: int, client: int, uplink: bytes, downlink: bytes) -> None:
+        if self.payload_dir is None:
+            return
+        folder = self.payload_dir / f"round_{round_}"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / f"client_{client}.uplink.safetensors", uplink)
+        write_atomic(folder / f"client_{client}.downlink.safetensors", downlink)
+
+    def _record(self, round_, kind, received, clients, transport, updates, evals, traffic, start) -> dict:
+        tasks = self.env.tasks
+        losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
+        forget = self.forgotten_tasks
+        record = {
+            "round": round_,
+            **({"kind": kind} if kind != TRAIN else {}),
+            "clients": received,
+            **({"failed_clients": {str(c): transport.failures.get(c, "no reply") for c in clients if c not in received}}
+               if len(received) < len(clients) else {}),
+            "train_loss": float(np.mean(losses)) if losses else None,
+            "eval": evals,
+            "mean_metric": float(np.mean([evals[t.name][t.metric] for t in tasks])),
+            **nonlinear_mean(evals, tasks),
+            **forgetting_metrics(evals, tasks, forget),
+            **({"forgotten_clients": self.forgotten_clients} if self.forgotten_clients else {}),
+            "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
+            "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
+            "bytes_per_client": {str(c): t for c, t in traffic.items()},
+            "params_uplink": sum(t["params_uplink"] for t in traffic.values()),
+            "params_downlink": sum(t["params_downlink"] for t in traffic.values()),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        return record
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, state: GlobalState, transport: Transport | None = None,
+                 stores: dict | None = None) -> dict[str, dict]:
+        """Each task's metric. For linearized strategies it is the linearized model's, and the
+        ordinary model at the same parameters is reported as `<metric>_nonlinear`. Strategies with
+        client evaluation (personal layers) are evaluated by the task's holders through `transport`."""
+        if self.strategy.capabilities.client_evaluation:
+            if transport is None:
+                raise ConfigError(f"strategy {self.strategy.name!r} evaluates on its clients: give a transport")
+            return self._evaluate_on_clients(state, transport)
+        out = {}
+        host, batch = self.env.host, self.config.eval_batch_size
+        for t in self.env.tasks:
+            params = self.strategy.task_parameters(state, t.name, stores)
+            data = self.env.test_data(t.name)
+            point = self.strategy.linearization_point(state, t.name)
+            out[t.name] = evaluate(host, params, data, t.metric, batch, linearize_at=point,
+                                   linearization=self.strategy.linearization)
+            if point is not None:
+                out[t.name][f"{t.metric}_nonlinear"] = evaluate(host, params, data, t.metric, batch)[t.metric]
+        return out
+
+    def _evaluate_on_clients(self, state: GlobalState, transport: Transport) -> dict[str, dict]:
+        """Every holder evaluates its own model of each of its tasks on the task's test split; a task's
+        metric is the mean over its holders (`clients`: how many)."""
+        allocation, header = state.allocation, self.env.header()
+        instructions = [Instruction(EVALUATE, state.round, c, pack_vectors(self.strategy.downlink(state, c, tasks)).to_bytes(),
+                                    {"tasks": tasks}) for c, tasks in sorted(allocation.items())]
+        replies = transport.exchange(instructions)
+        per_task: dict[str, list[dict]] = {t.name: [] for t in self.env.tasks}
+        for c, reply in sorted(replies.items()):
+            metrics = ClientUpdate.from_bytes(reply, templates={}, expect=header,
+                                              source=f"client {c} (round {state.round}, evaluation)").metrics
+            for task in allocation[c]:
+                per_task[task].append(metrics[task])
+        out = {}
+        for t in self.env.tasks:
+            values = [m[t.metric] for m in per_task[t.name]]
+            if not values:
+                raise FedTaskError(f"evaluation of {t.name!r}: none of its holders replied ({_failures(transport)})")
+            out[t.name] = {t.metric: float(np.mean(values)), "num_examples": per_task[t.name][0]["num_examples"],
+                           "clients": len(values)}
+        return out
+
+
+def _failures(transport: Transport) -> str:
+    return "; ".join(f"client {c}: {why}" for c, why in sorted(transport.failures.items())) or "no reason given"
+
+
+def forgetting_metrics(evals: dict[str, dict], tasks, forget: list[str]) -> dict:
+    """While unlearning: each forgotten task's metric and the mean over the retained tasks."""
+    if not forget:
+        return {}
+    retained = [evals[t.name][t.metric] for t in tasks if t.name not in forget]
+    return {"forgotten": {t.name: evals[t.name][t.metric] for t in tasks if t.name in forget},
+            "retained_mean": float(np.mean(retained)) if retained else None}
+
+
+def nonlinear_mean(evals: dict[str, dict], tasks) -> dict:
+    """`mean_metric_nonlinear` when the evaluation reports the ordinary model beside a linearized one."""
+    values = [evals[t.name].get(f"{t.metric}_nonlinear") for t in tasks]
+    return {"mean_metric_nonlinear": float(np.mean(values))} if values and None not in values else {}

@@ -1,0 +1,31 @@
+"""Re-export a finished run from its folder alone: the checkpoint, the saved config and the base
+model; no client data is partitioned or tokenized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hf_fedtask.engine.run import RESULTS_FILE, open_finished_run, run_export
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.export.artifacts import export_adapters
+from hf_fedtask.export.compact import storage_report
+from hf_fedtask.report import ADAPTERS_DIR
+
+
+def export_run(run_dir: str | Path) -> list[Path]:
+    """Rewrite `run_dir`'s adapters (and the strategy's other exports) from its checkpoint, with the
+    metrics of its results.json; returns the written folders."""
+    run_dir = Path(run_dir)
+    finished = open_finished_run(run_dir)
+    results_file = run_dir / RESULTS_FILE
+    if not results_file.exists():
+        raise ConfigError(f"{run_dir}: has no {RESULTS_FILE} (the run did not finish); resume it first")
+    results = json.loads(results_file.read_text())
+    env = finished.env
+    compact = export_adapters(run_export(env, finished.stores or None), finished.state, results, run_dir)
+    paths = [run_dir / ADAPTERS_DIR / t.name for t in env.tasks]
+    if compact is not None:
+        results["compact_storage"] = storage_report(compact)
+        paths.append(compact)
+    return paths
