@@ -28,7 +28,7 @@ from hf_fedtask.strategies import STRATEGIES, StrategyConfig, build_strategy_con
 class RunConfig:
     # what to run
     strategy: str = "fedavg"
-    strategy_options: dict = field(default_factory=dict)  # the strategy's config fields (flat flags on the CLI)
+    strategy_options: dict = field(default_factory=dict)  # the options set for the strategy (flat flags on the CLI)
     suite: str | None = "builtin-8"
     tasks: list[str] | None = None  # task refs (builtin names, local paths, Hub ids); overrides `suite`
     output_dir: str = "runs/default"
@@ -86,7 +86,8 @@ class RunConfig:
             raise ConfigError(f"config: participation must be in (0, 1], got {self.participation}")
         if self.zeta < 0:
             raise ConfigError(f"config: zeta must be >= 0, got {self.zeta}")
-        self.strategy_options = dataclasses.asdict(self.strategy_config)  # validated, complete, typed
+        typed = self.strategy_config  # validates the strategy and its options
+        self.strategy_options = {k: getattr(typed, k) for k in self.strategy_options}  # as given, typed
 
     @property
     def strategy_config(self) -> StrategyConfig:
@@ -113,8 +114,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict:
-        """Every setting in one mapping (the strategy's options beside the others)."""
-        return {**{k: v for k, v in self.to_dict().items() if k != "strategy_options"}, **self.strategy_options}
+        """Every setting in one mapping (all the strategy's options, defaults included, beside the others)."""
+        return {**self.common(), "strategy": self.strategy, **dataclasses.asdict(self.strategy_config)}
 
     def fingerprint(self) -> str:
         """Hash of the settings that define the run's result (not where it is written or for how

@@ -33,7 +33,7 @@ def test_fedper_personal_layers_and_heads_never_travel_and_survive_resume(tiny_c
     tiny_config.save_payloads = True
     tiny_config.rounds = 1
     federation.run(tiny_config)
-    sim = federation.Simulation(tiny_config)
+    sim = federation.Federation(tiny_config)
     personal = set(last_block_keys(sim.host.shared_keys, 1))
     payloads = sorted((Path(tiny_config.output_dir) / "payloads" / "round_1").glob("*.safetensors"))
     assert payloads

@@ -52,7 +52,7 @@ def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_confi
 
     federation.run(tiny_config)
     run_dir = Path(tiny_config.output_dir)
-    sim = federation.Simulation(tiny_config)
+    sim = federation.Federation(tiny_config)
     from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(), template=sim.initial_state())
@@ -169,11 +169,11 @@ def test_fedprox_term_pulls_clients_toward_the_server(tiny_config, tmp_path):
     """With a large mu, client updates shrink relative to plain FedAvg from the same start."""
     from hf_fedtask.strategies import ClientJob, build_strategy
 
-    sim = federation.Simulation(tiny_config)
-    job = ClientJob(client_id=0, round=1, data=sim.client_data[0], seed=0)
+    sim = federation.Federation(tiny_config)
+    job = ClientJob(client_id=0, round=1, data=sim.client_data(0), seed=0)
     norms = {}
-    for name, mu in (("fedavg", 0.0), ("fedprox", 50.0)):
-        strategy = build_strategy(name, {"proximal_mu": mu})
+    for name, options in (("fedavg", {}), ("fedprox", {"proximal_mu": 50.0})):
+        strategy = build_strategy(name, options)
         state = strategy.init_state(sim.host, sim.tasks, 0, sim.allocation)
         downlink = strategy.downlink(state, 0, job.tasks)
         norms[name] = strategy.client_update(downlink, job, sim.trainer).vectors["shared"].norm()
@@ -183,18 +183,20 @@ def test_fedprox_term_pulls_clients_toward_the_server(tiny_config, tmp_path):
 def test_proximal_loss_is_half_mu_times_squared_distance(tiny_config, tmp_path):
     from transformers import TrainingArguments
 
-    from hf_fedtask.client.trainer import _ProximalTrainer
+    from hf_fedtask.client.objectives import ProximalTerm
+    from hf_fedtask.client.trainer import _ObjectiveTrainer
 
-    sim = federation.Simulation(tiny_config)
-    task = next(iter(sim.client_data[0]))
-    data = sim.client_data[0][task]
+    sim = federation.Federation(tiny_config)
+    task = next(iter(sim.client_data(0)))
+    data = sim.client_data(0)[task]
     sim.host.load_state(sim.strategy.task_parameters(sim.initial_state(), task))
     batch = sim.trainer.collator([data[i] for i in range(4)])
     model = sim.host.model
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    plain = _ProximalTrainer(model=model, args=args, proximal_mu=0.0)
-    prox = _ProximalTrainer(model=model, args=args, proximal_mu=3.0)
+    plain = _ObjectiveTrainer(model=model, args=args)
+    prox = _ObjectiveTrainer(model=model, args=args, objectives=[ProximalTerm(3.0)], params=sim.host.trainable_by_name())
     trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(sim.host.trainable_by_name()) == len(trainable)  # every trainable parameter, by its saved name
     with torch.no_grad():
         for p in trainable:
             p.add_(0.01)

@@ -16,7 +16,9 @@ from hf_fedtask.core.checkpoint import load_checkpoint
 from hf_fedtask.errors import ConfigError, TaskVectorError
 from hf_fedtask.workflows.personalize import forgetting_ratio, local_only, personalize
 from hf_fedtask.core.secagg import SecAggServer, encode_fixed_point
-from hf_fedtask.engine.secure import SecureRound
+from hf_fedtask.core.secagg import SecAggClient
+from hf_fedtask.core.taskvector import make_metadata
+from hf_fedtask.engine.secure import SecureAggregation
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED
 from hf_fedtask.strategies.fedyolo import COUNTS, MODULE, adapter_name, block_index, shared_module_keys
@@ -30,6 +32,7 @@ TASKS = ("colors", "moods")
 def yolo_config(tiny_config):
     """One FedYolo round on 4 clients, one task each: 0, 2 hold colors and 1, 3 hold moods."""
     tiny_config.strategy = "fedyolo"
+    tiny_config.strategy_options = {}
     tiny_config.rounds = 1
     tiny_config.save_payloads = True
     return tiny_config
@@ -45,7 +48,7 @@ def _payloads(run_dir: Path, round_: int, direction: str) -> dict[int, dict[str,
 
 
 def _final(config):
-    sim = federation.Simulation(config)
+    sim = federation.Federation(config)
     state, history, _ = load_checkpoint(Path(config.output_dir), fingerprint=config.fingerprint(),
                                         template=sim.initial_state())
     return sim, state, history
@@ -69,13 +72,13 @@ def test_block_index_and_the_first_half_of_the_blocks():
     assert shared_module_keys(bert, "none") == [] and shared_module_keys(bert, "all") == bert
     with pytest.raises(ConfigError, match="share='half' needs PEFT modules inside numbered transformer blocks"):
         shared_module_keys(["prompt_embeddings"], "half")
-    with pytest.raises(ConfigError, match="unknown share 'most'"):
+    with pytest.raises(ConfigError, match="share: must be one of none, half, all, got 'most'"):
         build_strategy("fedyolo", {"share": "most"})
 
 
 @pytest.mark.parametrize("share", ["none", "half", "all"])
 def test_round_equals_hand_averaged_uploads_and_downlinks_hold_only_own_tasks(yolo_config, share):
-    yolo_config.share = share
+    yolo_config.strategy_options["share"] = share
     yolo_config.participation = 0.75  # round 1 samples clients 1, 2, 3: moods twice, colors once
     results = federation.run(yolo_config)
     sim, state, history = _final(yolo_config)
@@ -116,7 +119,7 @@ def test_tasks_without_a_sampled_client_are_unchanged(yolo_config):
 
 def test_each_task_trains_in_its_own_named_peft_adapter(yolo_config):
     yolo_config.zeta = 0.5  # client 2 holds both tasks and trains them in turn
-    sim = federation.Simulation(yolo_config)
+    sim = federation.Federation(yolo_config)
     host, train = sim.host, sim.trainer.train
     active = []
 
@@ -140,8 +143,8 @@ def test_each_task_trains_in_its_own_named_peft_adapter(yolo_config):
 
 @pytest.mark.parametrize(("peft_method", "share"), [("prompt", "none"), ("bottleneck", "half")])
 def test_other_module_types_train_per_task(yolo_config, peft_method, share):
-    yolo_config.peft_method, yolo_config.share = peft_method, share
-    sim = federation.Simulation(yolo_config)
+    yolo_config.peft_method, yolo_config.strategy_options["share"] = peft_method, share
+    sim = federation.Federation(yolo_config)
     initial = sim.initial_state()
     state, record = sim.run_round(initial, 1)
     assert set(sim.host.model.peft_config) == {"default", *(adapter_name(t) for t in TASKS)}
@@ -152,21 +155,22 @@ def test_other_module_types_train_per_task(yolo_config, peft_method, share):
 
 
 def test_share_half_refuses_prompt_tuning(yolo_config):
-    yolo_config.peft_method, yolo_config.share = "prompt", "half"
+    yolo_config.peft_method, yolo_config.strategy_options["share"] = "prompt", "half"
     with pytest.raises(ConfigError, match="share='half'"):
-        federation.Simulation(yolo_config)
+        federation.Federation(yolo_config)
 
 
 @pytest.mark.parametrize("sample_weighted", [False, True])
 def test_secure_aggregation_equals_plain_and_the_server_holds_only_masked_int64(yolo_config, monkeypatch,
                                                                                 sample_weighted):
-    yolo_config.zeta, yolo_config.share, yolo_config.sample_weighted = 0.5, "half", sample_weighted
-    sim = federation.Simulation(yolo_config)
+    yolo_config.zeta = 0.5
+    yolo_config.strategy_options.update(share="half", sample_weighted=sample_weighted)
+    sim = federation.Federation(yolo_config)
     initial = sim.initial_state()
     plain, _ = sim.run_round(initial, 1)
 
     strategy = sim.strategy
-    strategy.secure_aggregation = True
+    strategy.config.secure_aggregation = True
     slots, received, aggregated = {}, [], []
     client_update, receive, aggregate = strategy.client_update, SecAggServer.receive, strategy.server_aggregate
 
@@ -205,41 +209,54 @@ def test_secure_aggregation_equals_plain_and_the_server_holds_only_masked_int64(
         for task in TASKS:
             held = task in sim.allocation[cid]
             assert (update.vectors[f"head/{task}"].norm() > 0) == held
-        counts = [(len(sim.client_data[cid][t]) if sample_weighted else 1.0) if t in sim.allocation[cid] else 0.0
+        counts = [(len(sim.client_data(cid)[t]) if sample_weighted else 1.0) if t in sim.allocation[cid] else 0.0
                   for t in TASKS]
         assert update.vectors[COUNTS]["tasks"].tolist() == counts
     # (b) the same per-task means as plain FedYolo, to fixed-point precision
     _assert_vectors_close(secure.vectors, plain.vectors, atol=1e-5, rtol=0)
 
 
-def _stub_sim(clients: int):
-    """Just what SecureRound reads from a Simulation: header, update layout, clients, seed."""
-    layout = {"module/a": TaskVector({"w": torch.zeros(3)})}
-    return SimpleNamespace(header=lambda: {"base_model": "m", "base_model_revision": "r", "peft_config_hash": "h"},
-                           strategy=SimpleNamespace(update_templates=lambda state, cid, tasks: layout),
-                           client_data={c: {} for c in range(clients)}, config=SimpleNamespace(seed=0))
+HEADER = {"base_model": "m", "base_model_revision": "r", "peft_config_hash": "h"}
+
+
+def _masked_upload(client: SecAggClient, update: ClientUpdate, peers: dict) -> bytes:
+    """What a client's half uploads: the packed update masked, under a header naming no task."""
+    masked = client.mask(pack_vectors(update.vectors), update.round, peers)
+    meta = make_metadata(**HEADER, kind="delta", task_ids=[], client_id=update.client_id, round=update.round)
+    return masked.to_bytes(metadata={**meta, **masked.raw_metadata})
 
 
 def test_secure_round_refuses_plain_uploads_and_recovers_a_dropped_client():
-    sim = _stub_sim(3)
-    secure = SecureRound(sim, None, 1, [0, 1, 2])
+    layout = {"module/a": TaskVector({"w": torch.zeros(3)})}
+    secure = SecureAggregation(layout, 1, HEADER)
+    clients = {c: SecAggClient(c, seed=0) for c in range(3)}
+    for c, client in clients.items():
+        key = TaskVector({}).to_bytes(metadata=make_metadata(**HEADER, kind="delta", task_ids=[], client_id=c, round=1,
+                                                             public_key=str(client.public_key)))
+        secure.register(c, key)
+    peers = {int(c): int(k) for c, k in secure.peers.items()}
     updates = {c: ClientUpdate(c, 1, {"module/a": TaskVector({"w": torch.full((3,), c + 1.0)})}, {"a": 4}) for c in (0, 2)}
     with pytest.raises(TaskVectorError, match="expected int64"):  # an unmasked float upload never reaches the sum
-        secure.receive(0, updates[0].to_bytes(**sim.header()))
+        secure.receive(0, updates[0].to_bytes(**HEADER))
     for cid, update in updates.items():
-        secure.receive(cid, secure.upload(update))
+        secure.receive(cid, _masked_upload(clients[cid], update, peers))
     # client 1 registered but never uploaded: the survivors reveal their pair seeds with it
-    torch.testing.assert_close(secure.finish().vectors["module/a"]["w"], torch.full((3,), 4.0))
-    with pytest.raises(ConfigError, match="at least 2 clients per round"):
-        SecureRound(sim, None, 1, [0])
+    asked = []
+
+    def reveal(survivor, dropped):
+        asked.append((survivor, dropped))
+        return clients[survivor].reveal_pair_seeds(dropped, 1)
+
+    torch.testing.assert_close(secure.finish(reveal).vectors["module/a"]["w"], torch.full((3,), 4.0))
+    assert asked == [(0, [1]), (2, [1])]
 
 
 def test_secure_upload_grows_to_k_task_slots(yolo_config):
     """(c) measured from the real payloads: K × (module + head) + K counts instead of module + head."""
-    sim = federation.Simulation(yolo_config)
+    sim = federation.Federation(yolo_config)
     initial = sim.initial_state()
     _, plain = sim.run_round(initial, 1)
-    sim.strategy.secure_aggregation = True
+    sim.strategy.config.secure_aggregation = True
     _, secure = sim.run_round(initial, 1)
     module = initial.vectors[f"{MODULE}colors"].numel()
     heads = {t: initial.vectors[f"head/{t}"].numel() for t in TASKS}
@@ -335,7 +352,7 @@ def test_local_only_never_serializes_anything(tiny_config, monkeypatch):
 
 
 def test_secure_aggregation_with_one_client_per_round_is_refused_before_anything_is_written(yolo_config):
-    yolo_config.secure_aggregation = True
+    yolo_config.strategy_options["secure_aggregation"] = True
     yolo_config.participation = 0.01
     with pytest.raises(ConfigError, match="at least 2 clients per round"):
         federation.run(yolo_config)

@@ -169,7 +169,7 @@ def matu_config(tiny_config):
 
 
 def test_server_keeps_only_per_task_state_and_same_tasks_get_same_downlink(matu_config):
-    sim = federation.Simulation(matu_config)
+    sim = federation.Federation(matu_config)
     state = sim.initial_state()
     names = set(state.vectors)
     for r in (1, 2):

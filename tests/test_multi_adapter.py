@@ -16,7 +16,7 @@ from hf_fedtask.export.multi_adapter import INDEX_FILE, PAD_BIAS
 
 def test_fedyolo_run_exports_one_multi_adapter_folder_stock_peft_loads(tiny_config, tiny_bert_dir):
     tiny_config.strategy = "fedyolo"
-    tiny_config.share = "half"
+    tiny_config.strategy_options["share"] = "half"
     results = federation.run(tiny_config)
     run_dir = Path(tiny_config.output_dir)
     folder = run_dir / "multi_adapter"

@@ -79,18 +79,18 @@ def test_server_step_keeps_the_previous_state_as_linearization_point():
 @pytest.mark.parametrize("linearize_at", ["server", "pretrained"])
 def test_clients_train_the_model_linearized_at_the_chosen_point(tiny_config, linearize_at):
     tiny_config.strategy = "ntkfedavg"
-    tiny_config.linearize_at = linearize_at
-    sim = federation.Simulation(tiny_config)
+    tiny_config.strategy_options["linearize_at"] = linearize_at
+    sim = federation.Federation(tiny_config)
     state = sim.initial_state()
     state.vectors[SHARED] = TaskVector({k: v + 0.01 for k, v in state.vectors[SHARED].items()})  # θ_s ≠ θ_0
-    task = min(sim.client_data[0])
-    job = ClientJob(0, 1, sim.client_data[0], seed=0, origin=sim.origin, initial_heads=sim.initial_heads)
+    task = min(sim.client_data(0))
+    job = ClientJob(0, 1, sim.client_data(0), seed=0, origin=sim.origin, initial_heads=sim.initial_heads)
     downlink = sim.strategy.downlink(state, 0, [task])
     got = sim.strategy.client_update(downlink, job, sim.trainer).vectors[SHARED]
     start = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
     point = start if linearize_at == "server" else TaskVector({**sim.origin, **sim.initial_heads[task]})
-    by_hand, _ = sim.trainer.train(start, sim.client_data[0][task], seed=job.seed_for(task), linearize_at=point)
-    plain, _ = sim.trainer.train(start, sim.client_data[0][task], seed=job.seed_for(task))
+    by_hand, _ = sim.trainer.train(start, sim.client_data(0)[task], seed=job.seed_for(task), linearize_at=point)
+    plain, _ = sim.trainer.train(start, sim.client_data(0)[task], seed=job.seed_for(task))
     shared = by_hand.filter(lambda k: k in downlink[SHARED]) - downlink[SHARED]
     assert all(torch.allclose(got[k], shared[k], atol=1e-7) for k in got)
     assert not all(torch.allclose(got[k], (plain.filter(lambda k: k in got) - downlink[SHARED])[k]) for k in got)
@@ -104,7 +104,7 @@ def ntk_run(tmp_path_factory, tiny_bert_dir, tiny_tasks_dir):
 
     config = RunConfig(strategy="ntkfedavg", suite=None, tasks=tiny_tasks_dir, base_model=tiny_bert_dir,
                        base_model_id=TINY_MODEL_ID, num_clients=2, rounds=2, batch_size=8, local_steps=4,
-                       learning_rate=2e-2, max_length=16, min_samples=4, track_task_vectors=True,
+                       learning_rate=2e-2, max_length=16, min_samples=4, strategy_options={"track_task_vectors": True},
                        output_dir=str(tmp_path_factory.mktemp("ntk") / "run"))
     return config, federation.run(config)
 
@@ -114,24 +114,24 @@ def test_run_reports_linearized_and_nonlinear_and_exports_both(ntk_run, tiny_ber
     run_dir = Path(config.output_dir)
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("mean_metric_nonlinear" in h for h in history)
-    sim = federation.Simulation(config)
+    sim = federation.Federation(config)
     from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
     for task in sim.tasks:
         params = sim.strategy.task_parameters(state, task.name)
         point = sim.strategy.linearization_point(state, task.name)
-        lin = evaluate(sim.host, params, sim.test_data[task.name], linearize_at=point)["accuracy"]
-        nonlin = evaluate(sim.host, params, sim.test_data[task.name])["accuracy"]
+        lin = evaluate(sim.host, params, sim.test_data(task.name), linearize_at=point)["accuracy"]
+        nonlin = evaluate(sim.host, params, sim.test_data(task.name))["accuracy"]
         assert results["tasks"][task.name]["accuracy"] == lin
         assert results["tasks"][task.name]["accuracy_nonlinear"] == nonlin
 
         # the linearized package computes the same f_lin; the stock adapter is the non-linear model
         model = load_linearized(run_dir / "linearized" / task.name, base_model=tiny_bert_dir)
-        loader = torch.utils.data.DataLoader(sim.test_data[task.name], batch_size=64, collate_fn=sim.host.inputs.collator)
+        loader = torch.utils.data.DataLoader(sim.test_data(task.name), batch_size=64, collate_fn=sim.host.inputs.collator)
         with torch.no_grad():
             preds = torch.cat([model(**{k: v for k, v in b.items() if k != "labels"}).logits.argmax(-1) for b in loader])
-        assert float(np.mean(preds.numpy() == np.asarray(sim.test_data[task.name]["labels"]))) == lin
+        assert float(np.mean(preds.numpy() == np.asarray(sim.test_data(task.name)["labels"]))) == lin
         card = (run_dir / "adapters" / task.name / "README.md").read_text()
         assert "Linearized training" in card and f"accuracy {nonlin:.4f}" in card
 
@@ -146,7 +146,7 @@ def test_federated_unlearning_continues_the_run_with_the_task_negated(ntk_run):
     assert (run_dir / "checkpoint.safetensors").read_bytes() == original  # the original run is untouched
     u = results["unlearning"]
     assert u["from_round"] == 3 and u["rounds"] == 1 and u["tasks"] == [forget]
-    assert u["clients"] == [c for c, ts in federation.Simulation(config).allocation.items() if forget in ts]
+    assert u["clients"] == [c for c, ts in federation.Federation(config).allocation.items() if forget in ts]
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [h["round"] for h in history] == [1, 2, 3] and "forgotten" in history[-1]
     assert history[-1]["forgotten"] == {forget: history[-1]["eval"][forget]["accuracy"]}
@@ -183,7 +183,7 @@ def test_one_shot_negation_subtracts_the_recorded_task_vector(ntk_run):
     out = run_dir.with_name(f"{run_dir.name}-negate-moods")
     from safetensors.torch import load_file
 
-    sim = federation.Simulation(config)
+    sim = federation.Federation(config)
     from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
@@ -214,23 +214,24 @@ def test_unlearning_errors_are_one_line_and_write_nothing(ntk_run, tmp_path, cap
 
 def test_unlearning_needs_a_fedavg_family_strategy(tiny_config):
     tiny_config.strategy = "matu"
-    tiny_config.forget_tasks = ["colors"]
-    with pytest.raises(ConfigError, match="does not support federated unlearning"):
-        federation.Simulation(tiny_config)
+    tiny_config.strategy_options["forget_tasks"] = ["colors"]
+    with pytest.raises(ConfigError, match="'matu' does not support option 'forget_tasks'"):
+        federation.Federation(tiny_config)
 
 
 def test_ntkfedprox_adds_the_proximal_term_to_linearized_training(tiny_config):
     tiny_config.strategy = "ntkfedprox"
-    tiny_config.proximal_mu = 1.0
-    sim = federation.Simulation(tiny_config)
+    tiny_config.strategy_options["proximal_mu"] = 1.0
+    sim = federation.Federation(tiny_config)
     state = sim.initial_state()
-    task = min(sim.client_data[0])
-    job = ClientJob(0, 1, sim.client_data[0], seed=0, origin=sim.origin, initial_heads=sim.initial_heads)
+    task = min(sim.client_data(0))
+    job = ClientJob(0, 1, sim.client_data(0), seed=0, origin=sim.origin, initial_heads=sim.initial_heads)
     downlink = sim.strategy.downlink(state, 0, [task])
     options = sim.strategy._train_options(downlink, job, task)
-    assert options["proximal_mu"] == 1.0 and set(options["linearize_at"]) == set(sim.host.state())
+    (prox_term,) = options["objectives"]
+    assert prox_term.mu == 1.0 and set(options["linearize_at"]) == set(sim.host.state())
     start = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
-    data = sim.client_data[0][task]
+    data = sim.client_data(0)[task]
     prox, _ = sim.trainer.train(start, data, seed=1, **options)
     free, _ = sim.trainer.train(start, data, seed=1, linearize_at=options["linearize_at"])
     # the pull towards θ_s shortens the step

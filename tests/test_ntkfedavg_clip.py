@@ -40,14 +40,14 @@ def test_linearized_clip_image_encoder_trains_and_reloads(tiny_clip_dir, tiny_im
                        num_clients=2, rounds=2, batch_size=8, local_steps=3, learning_rate=1e-2, min_samples=4,
                        output_dir=str(tmp_path / "run"))
     results = federation.run(config)
-    sim = federation.Simulation(config)
+    sim = federation.Federation(config)
     assert type(sim.host.model.get_base_model()).__name__ == "CLIPForImageClassification"
     assert any("vision_model" in k and "lora_A" in k for k in sim.host.shared_keys)
     for name, r in results["tasks"].items():
         assert {"accuracy", "accuracy_nonlinear"} <= set(r)
         model = load_linearized(Path(config.output_dir) / "linearized" / name, base_model=tiny_clip_dir)
         assert type(model.model.get_base_model()).__name__ == "CLIPForImageClassification"
-        test = sim.test_data[name]
+        test = sim.test_data(name)
         batch = sim.host.inputs.collator([test[i] for i in range(len(test))])
         with torch.no_grad():
             preds = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
@@ -58,4 +58,4 @@ def test_paper_preset_parses():
     config = RunConfig.from_yaml(PRESETS / "ntkfedavg_clip_vit_b32_8task.yaml")
     assert config.base_model == "openai/clip-vit-base-patch32"
     assert (config.num_clients, config.zeta, config.participation, config.rounds) == (8, 0.0, 1.0, 10)
-    assert len(config.tasks) == 8 and config.linearize_at == "server" and config.track_task_vectors
+    assert len(config.tasks) == 8 and config.strategy_config.linearize_at == "server" and config.strategy_config.track_task_vectors

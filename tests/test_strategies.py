@@ -56,9 +56,15 @@ def test_head_of_task_without_participants_is_unchanged():
     assert torch.equal(new.vectors[head_name("y")]["w"], torch.tensor([1.0, 1.0]))
 
 
-def test_build_strategy_picks_its_fields_and_rejects_unknown_names():
-    s = build_strategy("fedprox", {"proximal_mu": 0.3, "server_lr": 0.7, "learning_rate": 1.0})
-    assert isinstance(s, FedProx) and s.proximal_mu == 0.3 and s.server_lr == 0.7
-    assert "proximal_mu" not in build_strategy("fedavg", {"proximal_mu": 0.3}).hyperparameters()
+def test_build_strategy_types_its_options_and_rejects_unknown_names():
+    s = build_strategy("fedprox", {"proximal_mu": 0.3, "server_lr": 1})
+    assert isinstance(s, FedProx) and s.config.proximal_mu == 0.3 and s.config.server_lr == 1.0
+    assert isinstance(s.config.server_lr, float)
     with pytest.raises(ConfigError, match="fedavgg"):
         build_strategy("fedavgg", {})
+    with pytest.raises(ConfigError, match="'fedavg' does not support option 'proximal_mu' \\(an option of fedprox, ntkfedprox\\)"):
+        build_strategy("fedavg", {"proximal_mu": 0.3})
+    with pytest.raises(ConfigError, match="learning_rate"):  # a run setting, not a strategy option
+        build_strategy("fedprox", {"learning_rate": 1.0})
+    with pytest.raises(ConfigError, match="proximal_mu: expected a number, got 'big'"):
+        build_strategy("fedprox", {"proximal_mu": "big"})

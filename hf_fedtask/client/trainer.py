@@ -66,15 +66,16 @@ class LocalTrainer:
         gc.collect()
         gc.freeze()
 
-    def train(self, state: TaskVector, data: Dataset, *, seed: int, proximal_mu: float = 0.0,
+    def train(self, state: TaskVector, data: Dataset, *, seed: int, objectives: Sequence[Objective] = (),
               linearize_at: TaskVector | None = None, linearization: str = "network") -> tuple[TaskVector, dict]:
-        """Load `state`, train on tokenized `data`, return (trained state, metrics). With
+        """Load `state`, train on tokenized `data`, return (trained state, metrics). `objectives`
+        change the local loss (FedProx's proximal term, a SCAFFOLD correction, ...). With
         `linearize_at` (a state like `state`), the model trained is the first-order Taylor expansion
         around that point (`hf_fedtask.model.linearize`, mode `linearization`), started at `state`."""
         with self.host.loaded(state, linearize_at, linearization) as model:
-            return self._fit(model, data, seed, proximal_mu)
+            return self._fit(model, data, seed, objectives)
 
-    def _fit(self, model, data: Dataset, seed: int, proximal_mu: float) -> tuple[TaskVector, dict]:
+    def _fit(self, model, data: Dataset, seed: int, objectives: Sequence[Objective]) -> tuple[TaskVector, dict]:
         a = self.args
         targs = TrainingArguments(
             output_dir=self._scratch.name,

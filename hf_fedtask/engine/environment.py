@@ -156,14 +156,15 @@ class Environment:
                                         self.allocation if allocation is None else allocation)
 
     @cached_property
-    def _initial(self) -> GlobalState:
+    def initial(self) -> GlobalState:
+        """The initial state of this environment's allocation (built once; do not modify)."""
         return self.initial_state()
 
     @property
     def origin(self) -> TaskVector | None:
         """The seeded PEFT init every task vector is measured from; None when no module is shared."""
-        return self._initial.vectors.get(SHARED)
+        return self.initial.vectors.get(SHARED)
 
     @property
     def initial_heads(self) -> dict[str, TaskVector]:
-        return {t.name: self._initial.vectors[head_name(t.name)] for t in self.tasks}
+        return {t.name: self.initial.vectors[head_name(t.name)] for t in self.tasks}

@@ -25,6 +25,7 @@ from hf_fedtask.core.state import SHARED, ClientStore, GlobalState
 from hf_fedtask.data.reference import shipped_reference
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.server import Server, nonlinear_mean
+from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
 from hf_fedtask.engine.transport import InProcessTransport, Transport
 from hf_fedtask.errors import OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters

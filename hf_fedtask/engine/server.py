@@ -53,7 +53,15 @@ class Server:
         return sorted(int(c) for c in rng.choice(self.num_clients, size=self.clients_per_round, replace=False))
 
     def check(self) -> None:
-        """What can be refused before anything is written."""
+        """What can be refused before anything is written: names, the model and its PEFT config, the
+        tasks' inputs against the model's, the partition, the initial state, unsupported settings."""
+        env = self.env
+        for t in env.tasks:
+            if t.modality != env.host.inputs.modality:
+                raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
+                                  f"takes {env.host.inputs.modality}")
+        env.partition  # noqa: B018  (too few samples per client fails here)
+        env.initial  # noqa: B018  (a strategy that cannot lay out its state fails here)
         if self.strategy.uses_secure_aggregation() and self.clients_per_round < 2:
             raise ConfigError(f"secure_aggregation needs at least 2 clients per round, this run samples "
                               f"{self.clients_per_round}: raise participation or num_clients")

@@ -2,10 +2,11 @@
 personal — they stay on the client (in its private store) and never travel; the rest of the PEFT
 modules are averaged as in FedAvg.
 
-Evaluating and exporting one adapter per task needs one set of personal layers per task: we use
-the mean of the personal layers of the clients that hold the task (each client's own model is the
-one it trains; this mean is what a task-level table can report). Holders that have not trained yet
-contribute the seeded init.
+Evaluation happens on the clients: every holder of a task evaluates its own model (global modules,
+its personal layers, its head) on the task's test split, and a task's metric is the mean over its
+holders. Exporting one adapter per task needs one set of personal layers per task: the export uses
+the mean of the holders' personal layers, which only an engine that hosts the clients' stores (the
+in-process one) can form. Holders that have not trained yet contribute the seeded init.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class FedPer(Strategy):
         job.store.update({head_name(t): h for t, h in heads.items()})
         update = {SHARED: shared.filter(lambda k: k in downlink[SHARED]) - downlink[SHARED]}
         return ClientUpdate(job.client_id, job.round, update, job.num_samples(), metrics)
+
+    def client_task_parameters(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> TaskVector:
+        """The client's own model of `task`: the global modules, its personal layers and its head
+        (the seeded init where it has not trained yet)."""
+        personal = job.store.get(PERSONAL) or job.origin.filter(lambda k: k not in downlink[SHARED])
+        merged = {**downlink[SHARED], **personal}
+        head = job.store.get(head_name(task)) or job.initial_heads[task]
+        return TaskVector({**{k: merged[k] for k in job.origin}, **head})
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
