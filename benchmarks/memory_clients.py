@@ -1,6 +1,6 @@
 """Peak memory of simulating 100 clients versus 4 clients (ratio = peak100 / peak4, goal <= 1.2).
 
-What is compared: two `hf_fedtask.federation.Simulation`s on the real MiniLM
+What is compared: two `hf_fedtask.engine.Federation`s (in-process engine) on the real MiniLM
 (`sentence-transformers/all-MiniLM-L6-v2`, offline copy) + LoRA r=8, each run for one full round
 (`run_round`: sample clients, `client_update`, wire round-trip, `server_aggregate`, evaluate every
 task). Config "4": 4 clients, participation 1.0. Config "100": 100 clients, participation 0.04, so
@@ -70,14 +70,14 @@ def make_tasks(out: str, num_tasks: int, train_rows: int, test_rows: int, seed: 
 
 
 def child(args) -> None:
-    """Build a Simulation, run one round, print a JSON line with the peak RSS."""
+    """Build a Federation, run one round, print a JSON line with the peak RSS."""
     import torch
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     from hf_fedtask.config import RunConfig
-    from hf_fedtask.engine.run import Simulation
+    from hf_fedtask.engine import Federation
 
     rss_imports = maxrss_mib()
     config = RunConfig(
@@ -97,7 +97,7 @@ def child(args) -> None:
         output_dir=os.path.join(tempfile.gettempdir(), "hf_fedtask_memory_bench_unused"),
     )
     t0 = time.perf_counter()
-    sim = Simulation(config)
+    sim = Federation(config)
     t_build = time.perf_counter() - t0
     rss_built = maxrss_mib()
     gc_objects = len(gc.get_objects())
@@ -109,9 +109,9 @@ def child(args) -> None:
     state, record = sim.run_round(state, 1)
     t_round = time.perf_counter() - t0
     print(json.dumps({
-        "num_clients": sim.num_clients,
+        "num_clients": sim.env.num_clients,
         "trained_clients": len(record["clients"]),
-        "samples_per_trained_client": [sum(len(d) for d in sim.client_data[c].values()) for c in record["clients"]],
+        "samples_per_trained_client": [sum(len(d) for d in sim.client_data(c).values()) for c in record["clients"]],
         "maxrss_mib": maxrss_mib(),
         "maxrss_after_imports_mib": rss_imports,
         "maxrss_after_build_mib": rss_built,
@@ -184,7 +184,7 @@ def main():
         peak[n] = statistics.median(x["maxrss_mib"] for x in rs)
         assert r["num_clients"] == n and r["trained_clients"] == args.few, r
         print(f"{n:4d} simulated clients: peak RSS {peak[n]:7.1f} MiB  (runs {[round(x['maxrss_mib'], 1) for x in rs]}; "
-              f"after imports {r['maxrss_after_imports_mib']:.0f}, after Simulation() {r['maxrss_after_build_mib']:.0f}; "
+              f"after imports {r['maxrss_after_imports_mib']:.0f}, after Federation() {r['maxrss_after_build_mib']:.0f}; "
               f"trained {r['trained_clients']} clients with {r['samples_per_trained_client']} rows; "
               f"gc-tracked objects {r['gc_tracked_objects']}, one gc.collect() {r['gc_collect_ms']:.0f} ms; "
               f"build {statistics.median(x['build_s'] for x in rs):.1f} s, round {statistics.median(x['round_s'] for x in rs):.1f} s)")

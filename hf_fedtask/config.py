@@ -205,8 +205,10 @@ def _add_flag(parser, cls, f: dataclasses.Field, help_text: str | None) -> None:
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif is_list:
         parser.add_argument(flag, dest=f.name, nargs="+", type=kind, default=None, help=help_text)
-    else:
-        parser.add_argument(flag, dest=f.name, type=kind, default=None, choices=choices, help=help_text)
+    else:  # choices are checked by the config (one line naming the key), not by argparse (usage + exit)
+        if choices and help_text is not None:
+            help_text = f"{help_text} {{{', '.join(map(str, choices))}}}"
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,8 +3,6 @@ writes, so stock `PeftModel.from_pretrained` loads it and it can be pushed to th
 
 import copy
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -14,6 +12,8 @@ from huggingface_hub.utils import validate_repo_id
 from peft import PeftConfig
 from peft.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
+
+from hf_fedtask.core.files import staged_folder
 
 
 def check_portable_base_model_id(base_model_id: str) -> None:
@@ -65,33 +65,10 @@ def save_adapter(
 
     `state_dict` uses PEFT's saved key names, i.e. what `peft.get_peft_model_state_dict` returns
     (classification head included). `base_model_id` becomes `base_model_name_or_path` and must be a
-    Hub id. The folder is built next to `out_dir` and swapped in only when complete; an existing
-    folder is moved aside and deleted after the swap, so a failure never leaves a half-written one.
+    Hub id. The folder is built next to `out_dir` and swapped in only when complete
+    (`hf_fedtask.core.files.staged_folder`), so a failure never leaves a half-written one.
     """
     check_portable_base_model_id(base_model_id)
-    out = Path(out_dir).absolute()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"adapter output {out} exists and is not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_folder(Path(out_dir)) as staging:
         _write_files(staging, peft_config, state_dict, base_model_id, card)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if not out.exists():
-        os.replace(staging, out)
-        return out
-
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, aside / out.name)
-    try:
-        os.replace(staging, out)
-    except BaseException:
-        os.replace(aside / out.name, out)
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-    return out
+    return Path(out_dir).absolute()

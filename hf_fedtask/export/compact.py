@@ -22,15 +22,13 @@ carries `content` and the `peft_config_hash` of adapter_config.json, so mixed-up
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
 import os
 import re
-import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import safetensors.torch
@@ -38,6 +36,7 @@ import torch
 from peft import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
+from hf_fedtask.core.files import staged_folder
 from hf_fedtask.errors import ConfigError, FedTaskError, OutputDirError, TaskVectorError
 from hf_fedtask.merge.bitmask import pack_bits, packed_size, unpack_bits
 from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
@@ -310,31 +309,3 @@ def write_adapter_folder(folder: Path, config_json: bytes, state: Mapping[str, t
     (folder / SAFETENSORS_WEIGHTS_NAME).write_bytes(_adapter_bytes(state))
     if card is not None:
         (folder / CARD_FILE).write_text(card, encoding="utf-8")
-
-
-@contextlib.contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
-    """Yield an empty folder beside `out`; on success swap it in for `out` (an existing folder is
-    moved aside, then deleted), on failure delete it: `out` is never half-written."""
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{out} exists and is not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    try:
-        if out.exists():
-            os.replace(out, aside / out.name)
-        try:
-            os.replace(staging, out)
-        except BaseException:
-            if (aside / out.name).exists():
-                os.replace(aside / out.name, out)
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)

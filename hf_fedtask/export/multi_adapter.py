@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import PeftConfig
 
-from hf_fedtask.export.compact import staged_folder
+from hf_fedtask.core.files import staged_folder
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.adapter import save_adapter
 from hf_fedtask.core.taskvector import TaskVector

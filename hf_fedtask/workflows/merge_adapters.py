@@ -38,7 +38,8 @@ from peft import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 from hf_fedtask import merge
-from hf_fedtask.export.compact import save_compact, staged_folder, write_adapter_folder
+from hf_fedtask.core.files import staged_folder
+from hf_fedtask.export.compact import save_compact, write_adapter_folder
 from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
 from hf_fedtask.export.adapter import check_portable_base_model_id
 from hf_fedtask.merge.ties import SIGN_METHODS
