@@ -77,7 +77,7 @@ def child(args) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     from hf_fedtask.config import RunConfig
-    from hf_fedtask.engine import Federation
+    from hf_fedtask.engine.inprocess import Federation
 
     rss_imports = maxrss_mib()
     config = RunConfig(

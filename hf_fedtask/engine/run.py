@@ -27,7 +27,7 @@ from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.server import Server, nonlinear_mean
 from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
 from hf_fedtask.engine.transport import InProcessTransport, Transport
-from hf_fedtask.errors import OutputDirError
+from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters
 from hf_fedtask.export.compact import storage_report
 from hf_fedtask.report import plot_metric_vs_round, plot_unlearning
@@ -132,6 +132,9 @@ def run(
     server.check()  # bad suite/task/model names and unsupported settings fail here, before anything is written
     transport = engine(env)
     try:
+        if config.export and env.strategy.capabilities.personal_state and transport.stores is None:
+            raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients, which the "
+                              f"{transport.name} engine does not hold: nothing per task can be exported; pass --no-export")
         run_dir = claim_output_dir(config, overwrite=overwrite)
         if config.save_payloads:
             server.payload_dir = run_dir / PAYLOADS_DIR

@@ -63,6 +63,7 @@ class Capabilities:
     task_vector_tracking: bool = False  # track_task_vectors: one-shot negation of a task afterwards
     secure_aggregation: bool = False  # secure_aggregation: the server receives only the masked sum
     client_evaluation: bool = False  # tasks are evaluated on their holders (personal layers stay there)
+    personal_state: bool = False  # task models include client-private layers: exports need the clients' stores
     personalization: bool = True  # FedAvg+Local fine-tuning from the task models
     linearized: bool = False  # evaluated as a linearized model (and exported as one beside the adapter)
     exports: tuple[str, ...] = ("adapters",)  # + compact (MaTU), multi_adapter (per-task modules), linearized

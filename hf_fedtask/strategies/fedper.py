@@ -62,7 +62,7 @@ class FedPer(Strategy):
     name = "fedper"
     paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818, 2019"
     config_class = FedPerConfig
-    capabilities = Capabilities(client_evaluation=True)
+    capabilities = Capabilities(client_evaluation=True, personal_state=True)
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
@@ -100,8 +100,12 @@ class FedPer(Strategy):
         return state.next({SHARED: TaskVector({**(global_part + self.config.server_lr * mean), **personal_init})})
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
+        """The task's exported model: the global modules with the mean of its holders' personal
+        layers and heads (`stores`: the clients' stores, which only an engine hosting them has)."""
+        if stores is None:
+            raise ConfigError("fedper: a task's model holds its clients' personal layers, which stay on the clients "
+                              "in this engine; its metrics are the holders' own (metrics.jsonl)")
         global_part, personal_init = self._split(state, state.vectors[SHARED])
-        stores = stores or {}
         trained = [stores[c] for c in state.holders(task) if head_name(task) in stores.get(c, {})]
         if not trained:
             return TaskVector({**global_part, **personal_init, **state.vectors[head_name(task)]})
