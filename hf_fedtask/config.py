@@ -162,8 +162,11 @@ class RunConfig:
     def from_yaml(cls, path: str | Path, saved: bool = False) -> RunConfig:
         return cls.from_dict(load_yaml(path), source=str(path), saved=saved)
 
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
     def save_yaml(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        Path(path).write_text(self.to_yaml())
 
 
 def option_defaults(strategy: type) -> dict:

@@ -19,6 +19,7 @@ from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 CLIENT_PREFIX = "client/"
+TIMING = "seconds"  # the per-round wall-clock field of a history record
 
 
 def _store_name(client_id: int, name: str) -> str:
@@ -38,7 +39,10 @@ def save_checkpoint(run_dir: Path, state: GlobalState, *, history: list[dict], f
         round=state.round,
         run_fingerprint=fingerprint,
         scalars=json.dumps(state.scalars),
-        history=json.dumps(history),
+        # wall-clock timings are kept apart, so that a resumed run's checkpoint equals an
+        # uninterrupted one in every tensor and every header field but `timings`
+        history=json.dumps([{k: v for k, v in h.items() if k != TIMING} for h in history]),
+        timings=json.dumps([h.get(TIMING) for h in history]),
     )
     vectors = dict(state.vectors)
     for cid, store in (stores or {}).items():
@@ -72,6 +76,10 @@ def load_checkpoint(run_dir: Path, *, fingerprint: str, template: GlobalState | 
     for name, tv in unpack_vectors(TaskVector({k: v for k, v in flat.items() if k.startswith(CLIENT_PREFIX)})).items():
         cid, _, inner = name[len(CLIENT_PREFIX):].partition("/")
         stores.setdefault(int(cid), {})[inner] = tv
+    timings = _json_field(meta, "timings", path) if "timings" in meta else []
+    for record, seconds in zip(history, timings):
+        if seconds is not None:
+            record[TIMING] = seconds
     return state, history, stores
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,3 +55,48 @@ def staged_folder(out: Path) -> Iterator[Path]:
             raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+LOCK_FILE = ".hf_fedtask.lock"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, what: str = "run folder") -> Iterator[Path]:
+    """Hold an exclusive lock on `folder` (created if missing) while the block runs: a second process
+    gets one line naming the holder. The lock is the OS's (`fcntl.flock`), so it is released on any
+    exit of the holder, SIGKILL included; a stale lock file is harmless. A folder this call created
+    and nothing else wrote into is removed again."""
+    import fcntl
+
+    folder = Path(folder)
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OutputDirError(f"{folder}: cannot be used as a {what} ({e.strerror or e})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+            raise OutputDirError(f"{folder}: the {what} is in use by {holder}; wait for it or use another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} ({' '.join(sys.argv)[:200]})".encode(), 0)
+        yield folder
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+        if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:  # nothing was written: leave no trace
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale_staging(folder: Path) -> list[Path]:
+    """Remove the `.<name>.tmp-*` / `.<name>.old-*` folders and files a killed writer (`staged_folder`,
+    `write_atomic`) left in `folder`; call it under the folder's lock, when no writer is using them."""
+    removed = []
+    if folder.is_dir():
+        for p in folder.iterdir():
+            if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed

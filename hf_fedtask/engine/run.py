@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from hf_fedtask.core.files import write_atomic
+from hf_fedtask.core.files import LOCK_FILE, folder_lock, remove_stale_staging, write_atomic
 from hf_fedtask.core.state import SHARED, ClientStore, GlobalState
 from hf_fedtask.data.reference import shipped_reference
 from hf_fedtask.engine.environment import Environment
@@ -59,7 +59,9 @@ def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Pat
     """Refuse an `output_dir` that holds something else, before any work starts (read-only)."""
     run_dir = Path(config.output_dir)
     saved = run_dir / RUN_CONFIG_FILE
-    if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OutputDirError(f"{run_dir}: exists and is not a directory; choose another --output-dir")
+    if _holds_something(run_dir) and not overwrite:
         if not saved.exists():
             raise OutputDirError(f"{run_dir}: output dir is not empty and holds no hf_fedtask run; choose another --output-dir")
         previous = load_run_config(run_dir)
@@ -78,12 +80,19 @@ def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Pat
     return run_dir
 
 
+def _holds_something(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+
+
 def claim_output_dir(config: RunConfig, *, overwrite: bool) -> Path:
+    """Clear the folder on `overwrite` (keeping the lock file) and write the run's config (call under its lock)."""
     run_dir = Path(config.output_dir)
     if overwrite and run_dir.exists():
-        shutil.rmtree(run_dir)
+        for p in run_dir.iterdir():
+            if p.name != LOCK_FILE:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    config.save_yaml(run_dir / RUN_CONFIG_FILE)
+    write_atomic(run_dir / RUN_CONFIG_FILE, config.to_yaml())
     return run_dir
 
 
@@ -130,19 +139,29 @@ def run(
     env = Environment(config)
     server = Server(env)
     server.check()  # bad suite/task/model names and unsupported settings fail here, before anything is written
+    with folder_lock(config.output_dir):  # one writer per run folder, released on any exit
+        check_output_dir(config, resume=resume, overwrite=overwrite)  # again: another writer may have been first
+        return _run_locked(env, server, engine, resume=resume, overwrite=overwrite, callbacks=callbacks,
+                           warm_start=warm_start)
+
+
+def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, overwrite, callbacks, warm_start) -> dict:
+    config = env.config
+    run_dir = Path(config.output_dir)
+    state, history, stores = env.initial_state(), [], {}
+    if resume and (run_dir / CHECKPOINT_FILE).exists():  # validated before anything is written
+        state, history, stores = restore(env, run_dir, config.fingerprint())
+    elif warm_start is not None:
+        state, history, stores = restore(env, warm_start, load_run_config(warm_start).fingerprint())
     transport = engine(env)
     try:
         if config.export and env.strategy.capabilities.personal_state and transport.stores is None:
             raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients, which the "
                               f"{transport.name} engine does not hold: nothing per task can be exported; pass --no-export")
         run_dir = claim_output_dir(config, overwrite=overwrite)
+        remove_stale_staging(run_dir)
         if config.save_payloads:
             server.payload_dir = run_dir / PAYLOADS_DIR
-        state, history, stores = env.initial_state(), [], {}
-        if resume and (run_dir / CHECKPOINT_FILE).exists():
-            state, history, stores = restore(env, run_dir, config.fingerprint())
-        elif warm_start is not None:
-            state, history, stores = restore(env, warm_start, load_run_config(warm_start).fingerprint())
         if transport.stores is not None:
             transport.stores.update(stores)
         write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))

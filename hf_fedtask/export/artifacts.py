@@ -7,6 +7,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hf_fedtask.core.files import remove_stale_staging
 from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.adapter import save_adapter
 from hf_fedtask.export.hub import render_model_card
@@ -41,11 +42,14 @@ class RunExport:
 
 
 def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
+    # call under the run folder's lock (`hf_fedtask.core.files.folder_lock`): it clears stale staging folders
     """`run_dir/adapters/<task>/`: a stock PEFT adapter (shared modules + the task's head) per task.
     Strategies with a compact form (MaTU) also get `run_dir/compact/` (one unified vector, T
     bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned."""
     peft_config = spec.peft_config
     exports = spec.strategy.capabilities.exports
+    for folder in (run_dir, run_dir / ADAPTERS_DIR, run_dir / LINEARIZED_DIR):  # what a killed export left
+        remove_stale_staging(folder)
     cards = {}
     # a stock adapter is the ordinary model at θ: for linearized runs its metric is `<metric>_nonlinear`
     metrics = {name: {r["metric"]: r.get(f"{r['metric']}_nonlinear", r[r["metric"]])}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hf_fedtask.core.files import folder_lock
 from hf_fedtask.engine.run import RESULTS_FILE, open_finished_run, run_export
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.artifacts import export_adapters
@@ -23,7 +24,8 @@ def export_run(run_dir: str | Path) -> list[Path]:
         raise ConfigError(f"{run_dir}: has no {RESULTS_FILE} (the run did not finish); resume it first")
     results = json.loads(results_file.read_text())
     env = finished.env
-    compact = export_adapters(run_export(env, finished.stores or None), finished.state, results, run_dir)
+    with folder_lock(run_dir):
+        compact = export_adapters(run_export(env, finished.stores or None), finished.state, results, run_dir)
     paths = [run_dir / ADAPTERS_DIR / t.name for t in env.tasks]
     if compact is not None:
         results["compact_storage"] = storage_report(compact)

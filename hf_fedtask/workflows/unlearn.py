@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedtask.core.files import write_atomic
+from hf_fedtask.core.files import folder_lock, write_atomic
 from hf_fedtask.core.state import SHARED, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.engine.run import (
@@ -105,9 +105,11 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     results["unlearning"] = {"method": "one-shot: the task's vector, scaled, was subtracted from the merged model",
                              "tasks": [task], "scale": scale, "task_vector": str(task_vector or task_vector_name(task)),
                              "before": before, "after": after}
-    out = claim_output_dir(config, overwrite=overwrite)
-    export_adapters(run_export(env, finished.stores), state, results, out)
-    write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    with folder_lock(out):
+        check_output_dir(config, resume=False, overwrite=overwrite)
+        out = claim_output_dir(config, overwrite=overwrite)
+        export_adapters(run_export(env, finished.stores), state, results, out)
+        write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results
 
 
