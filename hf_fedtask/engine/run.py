@@ -136,11 +136,11 @@ def run(
     that is also written to `output_dir/results.json`. `warm_start`: a finished run whose final state
     (and history) this run continues from, unless `output_dir` has its own checkpoint to resume."""
     check_output_dir(config, resume=resume, overwrite=overwrite)
-    env = Environment(config)
-    server = Server(env)
-    server.check()  # bad suite/task/model names and unsupported settings fail here, before anything is written
     with folder_lock(config.output_dir):  # one writer per run folder, released on any exit
         check_output_dir(config, resume=resume, overwrite=overwrite)  # again: another writer may have been first
+        env = Environment(config)
+        server = Server(env)
+        server.check()  # bad suite/task/model names and unsupported settings fail here, before anything is written
         return _run_locked(env, server, engine, resume=resume, overwrite=overwrite, callbacks=callbacks,
                            warm_start=warm_start)
 
