@@ -2,6 +2,7 @@
 writes, so stock `PeftModel.from_pretrained` loads it and it can be pushed to the Hub as is."""
 
 import copy
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,10 +11,11 @@ import torch
 from huggingface_hub import ModelCard
 from huggingface_hub.utils import validate_repo_id
 from peft import PeftConfig
-from peft.utils import SAFETENSORS_WEIGHTS_NAME
+from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
 
 from hf_fedtask.core.files import staged_folder
+from hf_fedtask.errors import ConfigError, FedTaskError, TaskVectorError
 
 
 def check_portable_base_model_id(base_model_id: str) -> None:
@@ -72,3 +74,70 @@ def save_adapter(
     with staged_folder(Path(out_dir)) as staging:
         _write_files(staging, peft_config, state_dict, base_model_id, card)
     return Path(out_dir).absolute()
+
+
+# -- reading adapter folders back (evaluate, push, merge, load_task_adapter share these checks) --------------
+
+
+def read_adapter_config(config_file: str | os.PathLike, error: type[Exception] = ConfigError) -> dict:
+    """adapter_config.json as a dict with `peft_type` and a non-empty `base_model_name_or_path`;
+    anything else is one `error` naming the file and what is wrong."""
+    path = Path(config_file)
+    if not path.is_file():
+        raise error(f"{path}: missing (not a PEFT adapter folder)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise error(f"{path}: not valid JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(config, dict) or "peft_type" not in config:
+        raise error(f"{path}: not a PEFT adapter config (no peft_type)")
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.strip():
+        raise error(f"{path}: base_model_name_or_path is missing or empty")
+    return config
+
+
+def read_adapter_weights(weights: str | os.PathLike, error: type[Exception] = TaskVectorError) -> dict:
+    """adapter_model.safetensors as tensors, all finite; a missing, empty, corrupt or non-finite file
+    is one `error` naming the file (and the key)."""
+    import safetensors.torch
+
+    path = Path(weights)
+    if not path.is_file():
+        raise error(f"{path}: missing or not a file (not a PEFT adapter folder)")
+    try:
+        tensors = safetensors.torch.load_file(str(path))
+    except Exception as exc:  # safetensors raises SafetensorError, OSError, ValueError... on bad bytes
+        raise error(f"{path}: cannot read adapter weights ({' '.join(str(exc).split())[:200]})") from None
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise error(f"{path}: key {key!r} has NaN or Inf values")
+    return tensors
+
+
+def read_adapter_folder(folder: str | os.PathLike, error: type[Exception] = ConfigError) -> tuple[dict, dict]:
+    """(adapter config, adapter tensors) of a stock PEFT adapter folder, both validated."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise error(f"{path}: no such adapter folder")
+    config = read_adapter_config(path / CONFIG_NAME, error)
+    tensors = read_adapter_weights(path / SAFETENSORS_WEIGHTS_NAME, error if error is not ConfigError else TaskVectorError)
+    return config, tensors
+
+
+def load_adapter_base(base_id: str, num_labels: int, source: str | os.PathLike):
+    """The classifier an adapter's `base_model_name_or_path` names (the embedded copy for the default
+    MiniLM), with `num_labels` outputs; a missing local folder or a base that cannot be loaded here
+    (offline, unknown id) is one FedTaskError naming `source`."""
+    from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+
+    if os.path.isabs(base_id) and not os.path.isdir(base_id):
+        raise FedTaskError(f"{source}: base model folder {base_id!r} does not exist on this machine")
+    try:
+        ref = resolve_base_model(base_id)
+        return ref, load_classifier(ref, num_labels)
+    except FedTaskError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise FedTaskError(f"{source}: base model {base_id!r} cannot be loaded here "
+                           f"({' '.join(str(exc).split())[:200]})") from None

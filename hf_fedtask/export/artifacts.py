@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_fedtask.core.files import remove_stale_staging
-from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.adapter import save_adapter
+from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.hub import render_model_card
 from hf_fedtask.export.linearized import save_linearized
 from hf_fedtask.export.multi_adapter import PAD_BIAS, save_multi_adapter

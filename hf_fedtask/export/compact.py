@@ -37,9 +37,9 @@ from peft import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 from hf_fedtask.core.files import staged_folder
+from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 from hf_fedtask.errors import ConfigError, FedTaskError, OutputDirError, TaskVectorError
 from hf_fedtask.merge.bitmask import pack_bits, packed_size, unpack_bits
-from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 
 FORMAT = "hf_fedtask.export.compact"
 FORMAT_VERSION = "1"
@@ -259,7 +259,7 @@ def load_task_adapter(folder: str | os.PathLike, task: str, base_model: str | No
     stock `PeftModel.from_pretrained`, so the model is exactly what its per-task folder gives."""
     from peft import PeftModel
 
-    from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+    from hf_fedtask.export.adapter import load_adapter_base
 
     compact = _CompactFolder(folder)
     state = compact.task_state(task)
@@ -267,10 +267,7 @@ def load_task_adapter(folder: str | os.PathLike, task: str, base_model: str | No
     if not name:
         raise ConfigError(f"{folder}: no base model recorded in {CONFIG_NAME}; pass base_model")
     info = compact.tasks[task]
-    try:
-        model = load_classifier(resolve_base_model(name), info["num_labels"])
-    except OSError as exc:
-        raise ConfigError(f"cannot load base model {name!r} for {folder}: {' '.join(str(exc).split())}") from None
+    _, model = load_adapter_base(name, info["num_labels"], folder)
     if info.get("label_names"):
         model.config.id2label = dict(enumerate(info["label_names"]))
         model.config.label2id = {label: i for i, label in enumerate(info["label_names"])}

@@ -1,7 +1,6 @@
 """Publish an exported adapter folder to the Hugging Face Hub, with a model card that says how it
 was trained (task, federation, metrics) and how to load it."""
 
-import json
 import numbers
 import os
 from collections.abc import Mapping
@@ -11,10 +10,10 @@ from pathlib import Path
 import httpx2
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+from peft.utils import CONFIG_NAME
 
 from hf_fedtask.errors import HubError
-from hf_fedtask.export.adapter import check_portable_base_model_id
+from hf_fedtask.export.adapter import check_portable_base_model_id, read_adapter_folder
 
 CARD_TEMPLATE = "adapter_card.md.j2"
 
@@ -191,13 +190,10 @@ def check_adapter_folder(folder: str | os.PathLike) -> Path:
     """Raise HubError unless `folder` is a PEFT adapter folder whose base model is a Hub id,
     so nothing unloadable or machine-specific is ever published."""
     path = Path(folder)
-    missing = [name for name in (CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME) if not (path / name).is_file()]
-    if missing:
-        raise HubError(f"{path} is not a PEFT adapter folder: missing {', '.join(missing)}")
+    config, _ = read_adapter_folder(path, error=HubError)
     try:
-        base = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8")).get("base_model_name_or_path")
-        check_portable_base_model_id(base)
-    except (OSError, ValueError, AttributeError) as err:
+        check_portable_base_model_id(config["base_model_name_or_path"])
+    except ValueError as err:
         raise HubError(f"{path / CONFIG_NAME}: bad base_model_name_or_path: {err}") from None
     return path
 

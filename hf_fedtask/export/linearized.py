@@ -22,10 +22,10 @@ from peft import PeftConfig
 from peft.utils import SAFETENSORS_WEIGHTS_NAME
 
 from hf_fedtask.core.files import staged_folder
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError, FedTaskError, TaskVectorError
 from hf_fedtask.export.adapter import save_adapter
 from hf_fedtask.model.linearize import MODES, LinearizedModel
-from hf_fedtask.core.taskvector import TaskVector
 
 POINT_DIR = "point"
 DELTA_FILE = "delta.safetensors"

@@ -25,9 +25,9 @@ import torch
 from peft import PeftConfig
 
 from hf_fedtask.core.files import staged_folder
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.adapter import save_adapter
-from hf_fedtask.core.taskvector import TaskVector
 
 INDEX_FILE = "tasks.json"
 PAD_BIAS = -1.0e4

@@ -3,15 +3,14 @@ training code takes, and the independent check of the numbers in results.json.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
-from hf_fedtask.model.backbone import load_classifier, load_inputs, resolve_base_model
 from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.export.adapter import load_adapter_base, read_adapter_folder
+from hf_fedtask.model.backbone import load_inputs
 
 
 def load_adapter_model(adapter_dir: str | Path):
@@ -27,21 +26,15 @@ def _load_adapter(adapter_dir: str | Path, max_length: int = 32):
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
-    config_file = adapter_dir / "adapter_config.json"
-    weights = adapter_dir / "adapter_model.safetensors"
-    if not config_file.exists() or not weights.exists():
-        raise ConfigError(f"{adapter_dir}: not a PEFT adapter folder (needs adapter_config.json and adapter_model.safetensors)")
-    base_id = json.loads(config_file.read_text())["base_model_name_or_path"]
-    with safe_open(str(weights), "pt") as f:
-        head = [k for k in f.keys() if k.endswith(("classifier.weight", "score.weight"))]  # noqa: SIM118 (safe_open)
-        if not head:
-            raise ConfigError(f"{weights}: no classification head (classifier.weight) in the adapter")
-        num_labels = f.get_slice(head[0]).get_shape()[0]
-    ref = resolve_base_model(base_id)
-    base = load_classifier(ref, num_labels)
+    config, tensors = read_adapter_folder(adapter_dir)
+    head = [k for k in tensors if k.endswith(("classifier.weight", "score.weight"))]
+    if not head:
+        raise ConfigError(f"{adapter_dir / 'adapter_model.safetensors'}: no classification head (classifier.weight) in the adapter")
+    base_id = config["base_model_name_or_path"]
+    ref, base = load_adapter_base(base_id, tensors[head[0]].shape[0], adapter_dir)
     try:
         model = PeftModel.from_pretrained(base, str(adapter_dir))
-    except (RuntimeError, ValueError, KeyError) as e:
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
         raise FedTaskError(f"{adapter_dir}: does not load onto {base_id} ({str(e).splitlines()[0]})") from None
     return model.eval(), load_inputs(ref, max_length)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.config import RunConfig
+from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.core.files import write_atomic
-from hf_fedtask.engine.run import RESULTS_FILE, run
 from hf_fedtask.data.reference import shipped_reference
+from hf_fedtask.engine.run import RESULTS_FILE, run
 
 INDIVIDUAL = "individual"
 

@@ -32,19 +32,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
 from peft import PeftConfig
-from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+from peft.utils import CONFIG_NAME
 
 from hf_fedtask import merge
 from hf_fedtask.core.files import staged_folder
-from hf_fedtask.export.compact import save_compact, write_adapter_folder
+from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
-from hf_fedtask.export.adapter import check_portable_base_model_id
+from hf_fedtask.export.adapter import (
+    check_portable_base_model_id,
+    read_adapter_config,
+    read_adapter_folder,
+)
+from hf_fedtask.export.compact import save_compact, write_adapter_folder
 from hf_fedtask.merge.ties import SIGN_METHODS
 from hf_fedtask.merge.unify import RESCALERS
-from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 
 METHODS = ("task_arithmetic", "ties", "dare", "unify")
 DEFAULT_DENSITY = {"ties": 0.2, "dare": 0.5}
@@ -100,7 +102,7 @@ def merge_inputs(
     config_file = next((x.config_file for x in [*inputs, base] if x is not None and x.config_file), None)
     if config_file is None:
         raise ConfigError("task-vector files carry no PEFT config: give an adapter folder as input or --base-adapter")
-    config = _read_config(config_file)
+    config = read_adapter_config(config_file)
     head_modules = set(config.get("modules_to_save") or ())
     head_keys = {k for k in inputs[0].tensors if head_modules & set(k.split("."))}
     ref = base if base is not None else inputs[0]
@@ -153,17 +155,9 @@ def _check_options(n: int, method: str, weights, density, choices: dict[str, tup
 def read_input(path: str | os.PathLike) -> _Input:
     p = Path(path)
     if p.is_dir():
-        config_file, weights = p / CONFIG_NAME, p / SAFETENSORS_WEIGHTS_NAME
-        if not config_file.is_file() or not weights.is_file():
-            raise ConfigError(f"{p}: not a PEFT adapter folder (needs {CONFIG_NAME} and {SAFETENSORS_WEIGHTS_NAME})")
-        config = _read_config(config_file)
-        try:
-            tensors = TaskVector(safetensors.torch.load_file(weights))
-        except (safetensors.SafetensorError, OSError, ValueError, TypeError) as exc:
-            raise TaskVectorError(f"{weights}: cannot read adapter weights: {' '.join(str(exc).split())}") from None
-        bad = tensors.nonfinite_keys()
-        if bad:
-            raise TaskVectorError(f"{weights}: key {bad[0]!r} has NaN or Inf values")
+        config_file = p / CONFIG_NAME
+        config, tensors = read_adapter_folder(p)
+        tensors = TaskVector(tensors)
         return _Input(str(p), p.name, tensors, False, config.get("base_model_name_or_path"), peft_config_hash(config),
                       config_file)
     if p.is_file():
@@ -174,16 +168,6 @@ def read_input(path: str | os.PathLike) -> _Input:
         return _Input(str(p), p.name.removesuffix(".safetensors"), TaskVector(dict(tv)), header["kind"] == "delta",
                       header.get("base_model"), header["peft_config_hash"], None)
     raise ConfigError(f"{p}: no such adapter folder or task-vector file")
-
-
-def _read_config(config_file: Path) -> dict:
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{config_file}: cannot read: {' '.join(str(exc).split())}") from None
-    if not isinstance(config, dict) or "peft_type" not in config:
-        raise ConfigError(f"{config_file}: not a PEFT config (no peft_type)")
-    return config
 
 
 def _check_compatible(x: _Input, ref: _Input, head_keys: set[str], allow_head_shapes: bool) -> None:

@@ -14,7 +14,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedtask.config import RunConfig, add_config_arguments, config_from_args, load_yaml
+from hf_fedtask.config import (
+    RunConfig,
+    add_config_arguments,
+    config_from_args,
+    load_yaml,
+)
 from hf_fedtask.errors import ConfigError, FedTaskError
 
 
@@ -41,8 +46,8 @@ def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, P
 def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv: list[str] | None = None,
                after: Callable[[RunConfig, dict], None] | None = None) -> int:
     """Parse, run, print the report; bad input is one line on stderr and exit code 2."""
-    from hf_fedtask.report import run_report
     from hf_fedtask.engine.run import run
+    from hf_fedtask.report import run_report
 
     args = recipe_parser(description, presets).parse_args(argv)
     try:
