@@ -163,11 +163,11 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, resolve_base_model
     from hf_fedtask.client.trainer import LocalTrainer, LocalTrainingArgs
+    from hf_fedtask.core.taskvector import TaskVector
+    from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, resolve_base_model
     from hf_fedtask.model.host import PeftHost
     from hf_fedtask.model.peft_methods import make_peft_config
-    from hf_fedtask.core.taskvector import TaskVector
 
     host = PeftHost(resolve_base_model(DEFAULT_BASE_MODEL), make_peft_config("lora", r=8, lora_alpha=16,
                     target_modules=["query", "value"]), seed=args.seed, max_length=args.max_length)

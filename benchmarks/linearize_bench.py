@@ -46,7 +46,11 @@ def main():
 
     from peft import get_peft_model
 
-    from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, load_classifier, resolve_base_model
+    from hf_fedtask.model.backbone import (
+        DEFAULT_BASE_MODEL,
+        load_classifier,
+        resolve_base_model,
+    )
     from hf_fedtask.model.linearize import LinearizedModel
     from hf_fedtask.model.peft_methods import make_peft_config
 

@@ -41,9 +41,9 @@ import time
 import torch
 from peft.utils import merge_utils as peft_merge
 
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import ties, unify
 from hf_fedtask.merge.streaming import chunk_len
-from hf_fedtask.core.taskvector import TaskVector
 
 FRACTIONS = (0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -7,15 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from hf_fedtask.config import add_config_arguments, config_from_args
 from hf_fedtask.errors import ConfigError, FedTaskError
 
 
 def _run(args) -> int:
-    from hf_fedtask.report import run_report
     from hf_fedtask.engine.run import run
+    from hf_fedtask.report import run_report
 
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)

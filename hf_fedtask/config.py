@@ -21,7 +21,12 @@ import yaml
 from hf_fedtask.core.fields import check_fields, field_type
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
-from hf_fedtask.strategies import STRATEGIES, StrategyConfig, build_strategy_config, strategy_class
+from hf_fedtask.strategies import (
+    STRATEGIES,
+    StrategyConfig,
+    build_strategy_config,
+    strategy_class,
+)
 
 
 @dataclass

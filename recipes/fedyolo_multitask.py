@@ -29,9 +29,9 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from hf_fedtask.workflows.compare import finished_results, run_comparison  # noqa: E402
-from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.engine.run import write_atomic  # noqa: E402
+from hf_fedtask.errors import FedTaskError  # noqa: E402
+from hf_fedtask.workflows.compare import finished_results, run_comparison  # noqa: E402
 from hf_fedtask.workflows.personalize import local_only, personalize  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser  # noqa: E402
 

@@ -18,8 +18,8 @@ if "--preset" not in sys.argv:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from hf_fedtask.workflows.compare import run_comparison, write_comparison
 from hf_fedtask.errors import FedTaskError
+from hf_fedtask.workflows.compare import run_comparison, write_comparison
 from hf_fedtask.workflows.recipe import presets_beside, recipe_config, recipe_parser
 
 DEFAULTS = {

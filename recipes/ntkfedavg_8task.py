@@ -27,11 +27,11 @@ if "--preset" not in sys.argv:
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from hf_fedtask.report import headline_metric  # noqa: E402
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE  # noqa: E402
-from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
-from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.engine.run import METRICS_FILE, RESULTS_FILE, write_atomic  # noqa: E402
+from hf_fedtask.errors import FedTaskError  # noqa: E402
+from hf_fedtask.report import headline_metric  # noqa: E402
+from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import presets_beside, recipe_config, recipe_parser  # noqa: E402
 from hf_fedtask.workflows.unlearn import negate_task, unlearn  # noqa: E402
 

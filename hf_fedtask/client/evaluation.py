@@ -8,9 +8,9 @@ from datasets import Dataset
 from sklearn.metrics import f1_score
 from torch.utils.data import DataLoader
 
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.host import PeftHost
-from hf_fedtask.core.taskvector import TaskVector
 
 # evaluate.load("accuracy") needs the Hub (environment-facts §8); these are the same formulas.
 METRICS = {

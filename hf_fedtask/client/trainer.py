@@ -13,8 +13,8 @@ from datasets import Dataset
 from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from hf_fedtask.client.objectives import Objective
-from hf_fedtask.model.host import PeftHost
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.model.host import PeftHost
 
 
 @dataclass

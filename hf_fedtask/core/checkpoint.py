@@ -12,10 +12,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedtask.errors import OutputDirError, TaskVectorError
 from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.core.taskvector import TaskVector, make_metadata, validate
 from hf_fedtask.core.wire import pack_vectors, unpack_vectors
+from hf_fedtask.errors import OutputDirError, TaskVectorError
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 CLIENT_PREFIX = "client/"

@@ -48,8 +48,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hf_fedtask.errors import FedTaskError
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.errors import FedTaskError
 
 __all__ = [
     "DEFAULT_SCALE",

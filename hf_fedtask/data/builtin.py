@@ -30,10 +30,14 @@ from pathlib import Path
 
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_from_disk
-from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+from datasets.utils import (
+    are_progress_bars_disabled,
+    disable_progress_bars,
+    enable_progress_bars,
+)
 
-from hf_fedtask.errors import DataError
 from hf_fedtask.data.task import Task
+from hf_fedtask.errors import DataError
 
 SUITE_VERSION = "builtin-v1"  # bump when any pool, size or sampling rule changes: it names the cache folder
 TEST_SIZE = 200  # per task, split equally over the cells (floor); fewer only if a cell runs short

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 from datasets import Dataset
 
-from hf_fedtask.errors import DataError
 from hf_fedtask.data.task import Task
+from hf_fedtask.errors import DataError
 
 MAX_DIRICHLET_TRIES = 1000
 PARTITIONS = ("iid", "dirichlet", "classes")

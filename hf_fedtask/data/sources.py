@@ -16,9 +16,9 @@ from datasets import (
     load_from_disk,
 )
 
-from hf_fedtask.errors import DataError
 from hf_fedtask.data.builtin import BUILTIN_TASKS, load_builtin_task
 from hf_fedtask.data.task import Task
+from hf_fedtask.errors import DataError
 
 IMAGE_COLUMNS = ("image", "img")
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "document", "tweet", "utterance", "question")

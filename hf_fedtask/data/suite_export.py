@@ -12,9 +12,15 @@ from pathlib import Path
 
 import yaml
 
-from hf_fedtask.errors import DataError
-from hf_fedtask.data.builtin import BUILTIN_TASKS, SUITE_VERSION, SUITES, load_suite, save_quietly
+from hf_fedtask.data.builtin import (
+    BUILTIN_TASKS,
+    SUITE_VERSION,
+    SUITES,
+    load_suite,
+    save_quietly,
+)
 from hf_fedtask.data.task import Task
+from hf_fedtask.errors import DataError
 
 SUITE_INDEX = "suite.json"
 PROBE_NOTE = (

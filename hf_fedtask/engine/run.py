@@ -20,12 +20,17 @@ from tqdm.auto import tqdm
 
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from hf_fedtask.core.files import LOCK_FILE, folder_lock, remove_stale_staging, write_atomic
+from hf_fedtask.core.files import (
+    LOCK_FILE,
+    folder_lock,
+    remove_stale_staging,
+    write_atomic,
+)
 from hf_fedtask.core.state import SHARED, ClientStore, GlobalState
 from hf_fedtask.data.reference import shipped_reference
 from hf_fedtask.engine.environment import Environment
-from hf_fedtask.engine.server import Server, nonlinear_mean
 from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
+from hf_fedtask.engine.server import Server, nonlinear_mean
 from hf_fedtask.engine.transport import InProcessTransport, Transport
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters

@@ -21,11 +21,11 @@ from peft import (
 )
 from peft.utils import ModulesToSaveWrapper
 
-from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
 from hf_fedtask.model.linearize import LinearizedModel, linearized
-from hf_fedtask.core.taskvector import TaskVector
 
 HEAD_MODULES = frozenset({"classifier", "score"})
 """Names of the classification head: what PEFT's SEQ_CLS task type adds to `modules_to_save` and what

@@ -12,9 +12,9 @@ from peft import (
 )
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
+from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import INPUT_KINDS
 from hf_fedtask.model.bottleneck import BottleneckConfig
-from hf_fedtask.errors import ConfigError
 
 PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full")
 

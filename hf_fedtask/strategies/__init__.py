@@ -21,7 +21,12 @@ from hf_fedtask.strategies.fedper import FedPer, FedPerConfig
 from hf_fedtask.strategies.fedyolo import FedYolo, FedYoloConfig
 from hf_fedtask.strategies.matfl import MaTFL, MaTFLConfig
 from hf_fedtask.strategies.matu import MaTU, MaTUConfig
-from hf_fedtask.strategies.ntkfedavg import NTKFedAvg, NTKFedAvgConfig, NTKFedProx, NTKFedProxConfig
+from hf_fedtask.strategies.ntkfedavg import (
+    NTKFedAvg,
+    NTKFedAvgConfig,
+    NTKFedProx,
+    NTKFedProxConfig,
+)
 
 __all__ = [
     "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "FedAvg", "FedAvgConfig", "FedPer",

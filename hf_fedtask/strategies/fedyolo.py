@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_fedtask.client.trainer import LocalTrainer
-from hf_fedtask.errors import ConfigError
-from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.core.fields import option
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     SHARED,
     Capabilities,

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_fedtask.core.fields import option
-
 import torch
 
-from hf_fedtask.errors import ConfigError
-from hf_fedtask.merge import weighted_average
+from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     SHARED,
     GlobalState,

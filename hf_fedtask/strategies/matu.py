@@ -26,22 +26,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hf_fedtask.core.fields import option
-
 import torch
 
 from hf_fedtask.client.trainer import LocalTrainer
+from hf_fedtask.core.fields import option
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import agreement_mask, sign_similarity, unify
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.merge.unify import RESCALERS
-from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.strategies.base import (
     SHARED,
+    Capabilities,
     ClientJob,
     GlobalState,
-    Capabilities,
     Strategy,
     StrategyConfig,
     average_heads,

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.model.linearize import MODES
-from hf_fedtask.strategies.base import SHARED, Capabilities, ClientJob, GlobalState, head_name, register_strategy
+from hf_fedtask.strategies.base import (
+    SHARED,
+    Capabilities,
+    ClientJob,
+    GlobalState,
+    head_name,
+    register_strategy,
+)
 from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
 
 POINT = "linearized_at/"
