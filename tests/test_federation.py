@@ -161,8 +161,22 @@ def test_every_peft_method_trains_exports_and_reloads(tiny_config, method):
     assert shared, "the PEFT modules must be part of the server state"
     adapter = run_dir / "adapters" / "moods"
     assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"].lower().startswith(method[:3])
-    base = AutoModelForSequenceClassification.from_pretrained(tiny_config.base_model, num_labels=2)
-    PeftModel.from_pretrained(base, adapter)  # loads with stock PEFT
+    # stock PEFT reloads the exported adapter to the logits of the run's own model of the task
+    from transformers import AutoTokenizer
+
+    from hf_fedtask.core.checkpoint import load_checkpoint
+
+    sim = federation.Federation(tiny_config)
+    state, _, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(), template=sim.initial_state())
+    batch = AutoTokenizer.from_pretrained(tiny_config.base_model)(["happy day number 3", "sad night number 8"],
+                                                                  padding=True, return_tensors="pt")
+    sim.host.load_state(sim.strategy.task_parameters(state, "moods"))
+    with torch.no_grad():
+        expected = sim.host.model.eval()(**batch).logits
+        base = AutoModelForSequenceClassification.from_pretrained(tiny_config.base_model, num_labels=2)
+        loaded = PeftModel.from_pretrained(base, adapter).eval()
+        torch.testing.assert_close(loaded(**batch).logits, expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(expected, torch.zeros_like(expected))
 
 
 def test_fedprox_term_pulls_clients_toward_the_server(tiny_config, tmp_path):

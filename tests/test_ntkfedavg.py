@@ -60,15 +60,16 @@ def test_negation_and_task_vector_bookkeeping():
 
 def test_server_step_keeps_the_previous_state_as_linearization_point():
     strategy = build_strategy("ntkfedavg", {"server_lr": 1.0})
-    state = GlobalState(3, {SHARED: tv(1.0), head_name("x"): tv(2.0), POINT + SHARED: tv(0.0),
-                            POINT + head_name("x"): tv(0.0)}, {"allocation": {}})
-    new = strategy.server_aggregate(state, [ClientUpdate(0, 4, {SHARED: tv(0.5), head_name("x"): tv(1.0)}, {"x": 4}, {})])
-    assert new.vectors[SHARED]["w"].item() == 1.5
-    point = strategy.linearization_point(new, "x")
-    assert point["w"].item() == 1.0 or set(point) == {"w"}  # both vectors use key "w" in this toy state
-    assert new.vectors[POINT + SHARED]["w"].item() == 1.0 and new.vectors[POINT + head_name("x")]["w"].item() == 2.0
+    head = lambda v: TaskVector({"h": torch.tensor([v])})  # noqa: E731  (the head's own key, apart from "w")
+    state = GlobalState(3, {SHARED: tv(1.0), head_name("x"): head(2.0), POINT + SHARED: tv(0.0),
+                            POINT + head_name("x"): head(0.0)}, {"allocation": {}})
+    new = strategy.server_aggregate(state, [ClientUpdate(0, 4, {SHARED: tv(0.5), head_name("x"): head(1.0)}, {"x": 4}, {})])
+    assert new.vectors[SHARED]["w"].item() == 1.5 and new.vectors[head_name("x")]["h"].item() == 3.0
+    point = strategy.linearization_point(new, "x")  # the previous state: shared modules and the task's head
+    assert set(point) == {"w", "h"} and point["w"].item() == 1.0 and point["h"].item() == 2.0
+    assert new.vectors[POINT + SHARED]["w"].item() == 1.0 and new.vectors[POINT + head_name("x")]["h"].item() == 2.0
     pretrained = build_strategy("ntkfedavg", {"linearize_at": "pretrained"})
-    assert pretrained.server_aggregate(state, [ClientUpdate(0, 4, {SHARED: tv(0.5), head_name("x"): tv(1.0)},
+    assert pretrained.server_aggregate(state, [ClientUpdate(0, 4, {SHARED: tv(0.5), head_name("x"): head(1.0)},
                                                             {"x": 4}, {})]).vectors[POINT + SHARED]["w"].item() == 0.0
     with pytest.raises(ConfigError, match="linearize_at"):
         build_strategy("ntkfedavg", {"linearize_at": "origin"})
