@@ -3,7 +3,8 @@ drive the shared round loop (`Server.round`) through the engine's transport, che
 every round, and finish with results, plots and exports.
 
     run(config)                                  # in-process: every client here, one host model
-    run(config, engine=flower_grid_engine(grid)) # the same loop, clients in Flower SuperNodes
+    run(config, engine=grid_engine(grid))        # the same loop, clients in Flower SuperNodes
+                                                 # (hf_fedtask.engine.flower.grid_engine)
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
         if config.export and env.strategy.capabilities.personal_state and transport.stores is None:
             raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients, which the "
                               f"{transport.name} engine does not hold: nothing per task can be exported; pass --no-export")
+        if state.round > 0 and env.strategy.capabilities.personal_state and transport.stores is None:
+            raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients; the "
+                              f"{transport.name} engine keeps them on its nodes for one run only, so it cannot "
+                              "resume or warm-start this run")
         run_dir = claim_output_dir(config, overwrite=overwrite)
         remove_stale_staging(run_dir)
         if config.save_payloads:

@@ -95,8 +95,10 @@ class Server:
         sent = {c: pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes() for c in clients}
         replies = transport.exchange([Instruction(kind, round_, c, sent[c], config) for c in clients])
         received = [c for c in clients if c in replies]
+        # this exchange's failures, before later exchanges of the round (evaluation) overwrite them
+        failed = {c: transport.failures.get(c, "no reply") for c in clients if c not in replies}
         if not received:
-            raise FedTaskError(f"round {round_}: no client replied ({_failures(transport)})")
+            raise FedTaskError(f"round {round_}: no client replied ({_failures(failed)})")
         traffic, updates = {}, []
         for c in received:
             traffic[c] = {"uplink": len(replies[c]), "downlink": len(sent[c])}
@@ -116,7 +118,7 @@ class Server:
                                                                             transport))]  # the sum only
         state = strategy.server_aggregate(state, updates)
         evals = self.evaluate(state, transport)
-        return state, self._record(round_, kind, received, clients, transport, updates, evals, traffic, start)
+        return state, self._record(round_, kind, received, failed, updates, evals, traffic, start)
 
     def _key_exchange(self, state, round_, clients, transport) -> tuple[SecureAggregation, list[int]]:
         first = clients[0]
@@ -135,7 +137,7 @@ class Server:
         reply = transport.exchange([ins])
         if survivor not in reply:
             raise FedTaskError(f"secure aggregation, round {round_}: survivor {survivor} did not reveal its seeds "
-                               f"({_failures(transport)})")
+                               f"({_failures({survivor: transport.failures.get(survivor, 'no reply')})})")
         return parse_seeds(reply[survivor], source=f"client {survivor} (round {round_}, seeds)")
 
     def _keep_payloads(self, round_: int, client: int, uplink: bytes, downlink: bytes) -> None:
@@ -146,7 +148,7 @@ class Server:
         write_atomic(folder / f"client_{client}.uplink.safetensors", uplink)
         write_atomic(folder / f"client_{client}.downlink.safetensors", downlink)
 
-    def _record(self, round_, kind, received, clients, transport, updates, evals, traffic, start) -> dict:
+    def _record(self, round_, kind, received, failed, updates, evals, traffic, start) -> dict:
         tasks = self.env.tasks
         losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
         forget = self.forgotten_tasks
@@ -154,8 +156,7 @@ class Server:
             "round": round_,
             **({"kind": kind} if kind != TRAIN else {}),
             "clients": received,
-            **({"failed_clients": {str(c): transport.failures.get(c, "no reply") for c in clients if c not in received}}
-               if len(received) < len(clients) else {}),
+            **({"failed_clients": {str(c): why for c, why in failed.items()}} if failed else {}),
             "train_loss": float(np.mean(losses)) if losses else None,
             "eval": evals,
             "mean_metric": float(np.mean([evals[t.name][t.metric] for t in tasks])),
@@ -210,14 +211,16 @@ class Server:
         for t in self.env.tasks:
             values = [m[t.metric] for m in per_task[t.name]]
             if not values:
-                raise FedTaskError(f"evaluation of {t.name!r}: none of its holders replied ({_failures(transport)})")
+                holders = [c for c, tasks in sorted(allocation.items()) if t.name in tasks]
+                raise FedTaskError(f"evaluation of {t.name!r}: none of its holders replied "
+                                   f"({_failures({c: transport.failures.get(c, 'no reply') for c in holders})})")
             out[t.name] = {t.metric: float(np.mean(values)), "num_examples": per_task[t.name][0]["num_examples"],
                            "clients": len(values)}
         return out
 
 
-def _failures(transport: Transport) -> str:
-    return "; ".join(f"client {c}: {why}" for c, why in sorted(transport.failures.items())) or "no reason given"
+def _failures(failed: dict[int, str]) -> str:
+    return "; ".join(f"client {c}: {why}" for c, why in sorted(failed.items())) or "no reason given"
 
 
 def forgetting_metrics(evals: dict[str, dict], tasks, forget: list[str]) -> dict:

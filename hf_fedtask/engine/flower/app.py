@@ -23,7 +23,11 @@ from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.flower.discovery import discovery_reply, partition_id
 from hf_fedtask.engine.flower.node import load_store, node_secret, save_store
-from hf_fedtask.engine.flower.records import MESSAGE_TYPES, read_instruction, reply_content
+from hf_fedtask.engine.flower.records import (
+    MESSAGE_TYPES,
+    read_instruction,
+    reply_content,
+)
 from hf_fedtask.engine.flower.settings import AppSettings, parse_run_config
 from hf_fedtask.engine.flower.transport import grid_engine
 from hf_fedtask.engine.run import run

@@ -106,7 +106,7 @@ def _stream(cmd: list[str], env: dict, echo: Callable[[str], None] | None) -> li
 
 def _status(flwr: str, connection: str, run_id: str, env: dict) -> tuple[str, str]:
     proc = subprocess.run([flwr, "ls", connection, "--run-id", run_id, "--format", "json"], env=env,
-                          capture_output=True, text=True, errors="replace")
+                          capture_output=True, text=True, errors="replace", check=False)
     try:
         start = proc.stdout.index("{")
         report, _ = json.JSONDecoder().raw_decode(proc.stdout[start:])

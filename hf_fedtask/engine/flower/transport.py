@@ -14,7 +14,11 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from hf_fedtask.engine.flower.discovery import discover_clients
-from hf_fedtask.engine.flower.records import MESSAGE_TYPES, instruction_content, read_payload
+from hf_fedtask.engine.flower.records import (
+    MESSAGE_TYPES,
+    instruction_content,
+    read_payload,
+)
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.engine.run import Engine
 from hf_fedtask.engine.transport import Transport

@@ -1,0 +1,473 @@
+"""The Flower engine: the real ServerApp and ClientApp, driven through an in-process Grid (default
+suite, no Ray, no sockets) and through real SuperLink/SuperNode processes (`-m slow`), must give the
+in-process engine's run: the same final checkpoint tensor for tensor and the same bytes on the wire
+every round."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import tomllib
+import torch
+
+pytest.importorskip("flwr")
+
+from conftest import TINY_MODEL_ID
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.serde import context_from_proto, context_to_proto
+from flwr.serverapp import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from hf_fedtask.config import RunConfig
+from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, CLIENT_PREFIX
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.engine.client import ClientRuntime
+from hf_fedtask.engine.flower import app as flower_app
+from hf_fedtask.engine.flower.launch import launch
+from hf_fedtask.engine.flower.manifest import manifest
+from hf_fedtask.engine.flower.node import SECAGG_SECRET, SECRETS, load_store
+from hf_fedtask.engine.flower.settings import AppSettings
+from hf_fedtask.engine.run import METRICS_FILE, PAYLOADS_DIR, run
+from hf_fedtask.errors import ConfigError, FedTaskError
+
+REPO = Path(__file__).resolve().parents[1]
+APP_DIR = REPO / "flower-app"
+
+
+# -- an in-process Grid -------------------------------------------------------------------------------
+class InProcessGrid(Grid):
+    """A Grid test double: every node is a `Context` in this process and a message is handed to `app`
+    at once. Messages and node states go through Flower's own serialization on the way (as between
+    processes), replies come back in reverse order, and an exception in the app becomes an error
+    reply with the node state left unchanged, as Flower's SuperNode runtime does.
+
+    `partition_ids`: each node's `partition-id` (default 0..N-1); `silent`: partition ids whose
+    replies to train messages are lost."""
+
+    def __init__(self, app: Callable[[Message, Context], Message], run_config: dict, num_nodes: int, *,
+                 partition_ids: list | None = None, silent: Iterable[int] = (), run_id: int = 4242):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 1
+        self.app = app
+        self._run = Run.create_empty(run_id)
+        self.silent = set(silent)
+        self.rng = random.Random(0)
+        ids = partition_ids if partition_ids is not None else list(range(num_nodes))
+        self.contexts: dict[int, bytes] = {}
+        for pid in ids:
+            node = self.rng.getrandbits(63)
+            context = Context(run_id, node, {"partition-id": pid, "num-partitions": num_nodes}, RecordDict(),
+                              dict(run_config))
+            self.contexts[node] = context_to_proto(context).SerializeToString()
+        self.message_types: list[str] = []
+        self._replies: dict[str, Message] = {}
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def context(self, node: int) -> Context:
+        from flwr.proto.message_pb2 import Context as ProtoContext
+
+        proto = ProtoContext()
+        proto.ParseFromString(self.contexts[node])
+        return context_from_proto(proto)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            message = _over_the_wire(message)
+            message.metadata.__dict__["_message_id"] = message.object_id  # as Flower's grids name messages
+            self.message_types.append(message.metadata.message_type)
+            node = message.metadata.dst_node_id
+            context = self.context(node)
+            try:
+                reply = self.app(message, context)
+                self.contexts[node] = context_to_proto(context).SerializeToString()
+            except Exception as e:  # noqa: BLE001  (Flower's runtime turns it into an error reply)
+                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(e)}:<'{e}'>"), reply_to=message)
+            ids.append(message.metadata.message_id)
+            lost = message.metadata.message_type == "train" and context.node_config["partition-id"] in self.silent
+            if not lost:
+                self._replies[message.metadata.message_id] = _over_the_wire(reply)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        replies = [self._replies.pop(i) for i in message_ids if i in self._replies]
+        return replies[::-1]  # not in the order sent: replies must be matched by their sender
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def stores(self) -> dict[int, dict]:
+        """Every node's client store, by partition id."""
+        return {c.node_config["partition-id"]: load_store(c) for c in map(self.context, self.contexts)}
+
+
+def _over_the_wire(message: Message) -> Message:
+    """`message` deflated into Flower's wire objects and inflated again."""
+    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    copy = inflate_object_from_contents(message.object_id, contents)
+    copy.metadata.__dict__.update({k: v for k, v in message.metadata.__dict__.items()})
+    return copy
+
+
+def drive(config: RunConfig, num_nodes: int | None = None, **grid_options) -> InProcessGrid:
+    """Run `config` with the real ServerApp and ClientApp over an InProcessGrid; the grid afterwards."""
+    run_config = AppSettings.for_run(config, wait=0.0).to_run_config()
+    grid = InProcessGrid(flower_app.client_app, run_config, num_nodes or config.num_clients, **grid_options)
+    flower_app.server_app(grid, Context(4242, SUPERLINK_NODE_ID, {}, RecordDict(), run_config))
+    return grid
+
+
+# -- comparing runs -----------------------------------------------------------------------------------
+def tiny(bert: str, tasks: list[str], out: Path, strategy: str = "fedavg", options: dict | None = None,
+         **overrides) -> RunConfig:
+    settings = {"suite": None, "tasks": tasks, "base_model": bert, "base_model_id": TINY_MODEL_ID, "num_clients": 4,
+                "rounds": 2, "batch_size": 8, "local_steps": 3, "learning_rate": 1e-2, "max_length": 16,
+                "min_samples": 4, "output_dir": str(out), "save_payloads": True, "export": False}
+    return RunConfig(strategy=strategy, strategy_options=options or {}, **{**settings, **overrides})
+
+
+def canonical_digest(data: bytes) -> str:
+    """sha256 of a safetensors blob with its header JSON re-dumped with sorted keys (the writer's
+    `__metadata__` order varies from process to process) followed by its data section."""
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    return hashlib.sha256(json.dumps(header, sort_keys=True).encode() + data[8 + length :]).hexdigest()
+
+
+def payload_digests(run_dir: Path) -> dict[str, str]:
+    folder = run_dir / PAYLOADS_DIR
+    return {str(p.relative_to(folder)): canonical_digest(p.read_bytes()) for p in sorted(folder.rglob("*.safetensors"))}
+
+
+def checkpoint(run_dir: Path) -> TaskVector:
+    return TaskVector.load(run_dir / CHECKPOINT_FILE)
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the timings."""
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in lines]
+
+
+def assert_same_run(reference: Path, flower: Path, stores: dict[int, dict] | None = None, *,
+                    same_uplinks: bool = True) -> None:
+    """Same server tensors, same metrics and bytes per round, same payloads; the in-process
+    checkpoint's client stores equal to those the Flower nodes kept (`stores`)."""
+    ref, got = checkpoint(reference), checkpoint(flower)
+    server = [k for k in ref if not k.startswith(CLIENT_PREFIX)]
+    assert server and sorted(server) == sorted(got)
+    for key in server:
+        assert ref[key].dtype == got[key].dtype and torch.equal(ref[key], got[key]), key
+    if stores is not None:
+        kept = {f"{CLIENT_PREFIX}{c}/{name}::{k}": t for c, store in stores.items() for name, tv in store.items()
+                for k, t in tv.items()}
+        assert sorted(kept) == sorted(k for k in ref if k.startswith(CLIENT_PREFIX))
+        for key, tensor in kept.items():
+            assert torch.equal(ref[key], tensor), key
+    assert records(reference) == records(flower)
+    ref_payloads, got_payloads = payload_digests(reference), payload_digests(flower)
+    assert ref_payloads and sorted(ref_payloads) == sorted(got_payloads)
+    differ = [name for name in ref_payloads if ref_payloads[name] != got_payloads[name]]
+    if same_uplinks:
+        assert differ == []
+    else:  # masked uploads: each Flower node draws its own secret
+        assert differ and all(name.endswith(".uplink.safetensors") for name in differ)
+
+
+@pytest.fixture
+def reference_run(tmp_path):
+    """Run a config in process (the default engine) into tmp_path/reference; that folder."""
+
+    def _run(config: RunConfig) -> Path:
+        out = tmp_path / "reference"
+        run(RunConfig.from_dict({**config.to_dict(), "output_dir": str(out)}))
+        return out
+
+    return _run
+
+
+# -- default suite: the real apps over an in-process Grid ----------------------------------------------
+@pytest.mark.parametrize("strategy,options,overrides", [
+    ("fedavg", {}, {}),
+    ("fedper", {}, {}),  # client evaluation, and a private store kept in each node's state
+    ("matu", {"kappa": 1}, {"zeta": 0.5, "num_clients": 5}),
+    ("fedyolo", {}, {"rounds": 1}),
+])
+def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny_bert_dir, tiny_tasks_dir, tmp_path,
+                                              reference_run):
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", strategy, options, **overrides)
+    grid = drive(config)
+    assert_same_run(reference_run(config), tmp_path / "flower", grid.stores())
+    kinds = set(grid.message_types)
+    assert "query.discover" in kinds and "train" in kinds
+    assert ("evaluate" in kinds) == (strategy == "fedper")
+
+
+def test_secure_aggregation_over_flower_gives_the_same_sum(tiny_bert_dir, tiny_tasks_dir, tmp_path, reference_run):
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedyolo", {"secure_aggregation": True},
+                  rounds=1)
+    grid = drive(config)
+    assert_same_run(reference_run(config), tmp_path / "flower", grid.stores(), same_uplinks=False)
+    secrets = [c.state.config_records[SECRETS][SECAGG_SECRET] for c in map(grid.context, grid.contexts)]
+    assert len(set(secrets)) == 4 and all(len(s) == 32 for s in secrets)
+
+
+class _Failing(ClientRuntime):
+    failing: ClassVar[set[int]] = set()
+
+    def handle(self, ins, store):
+        if ins.kind == "train" and self.client_id in self.failing:
+            raise RuntimeError(f"disk full on client {self.client_id}")
+        return super().handle(ins, store)
+
+
+def test_a_client_that_raises_is_reported_with_its_reason(tiny_bert_dir, tiny_tasks_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(flower_app, "ClientRuntime", _Failing)
+    monkeypatch.setattr(_Failing, "failing", {1})
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1)
+    drive(config)
+    (record,) = records(tmp_path / "flower")
+    assert record["clients"] == [0, 2, 3]
+    assert set(record["failed_clients"]) == {"1"}
+    assert record["failed_clients"]["1"].startswith("Flower error 2: ")
+    assert "disk full on client 1" in record["failed_clients"]["1"]
+
+
+def test_a_round_no_client_answers_fails_the_run_with_the_reasons(tiny_bert_dir, tiny_tasks_dir, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setattr(flower_app, "ClientRuntime", _Failing)
+    monkeypatch.setattr(_Failing, "failing", {0, 1, 2, 3})
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1)
+    reason = r"round 1: no client replied \(client 0: Flower error 2: .*disk full on client 0"
+    with pytest.raises(FedTaskError, match=reason):
+        drive(config)
+
+
+def test_a_lost_reply_is_a_failure_and_the_round_goes_on(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1)
+    drive(config, silent={2})
+    (record,) = records(tmp_path / "flower")
+    assert record["clients"] == [0, 1, 3] and record["failed_clients"] == {"2": "no reply"}
+
+
+@pytest.mark.parametrize("nodes,partition_ids,message", [
+    (3, None, "the federation has 3 nodes after waiting 0 s but this run has 4 clients"),
+    (5, None, "the federation has 5 nodes but this run has 4 clients"),
+    (4, [0, 1, 1, 3], "both hold partition-id 1"),
+    (4, [0, 1, 2, 4], "holds partition-id 4, outside this run's clients 0..3"),
+    (4, [0, 1, 2, "x"], "has no integer partition-id in its node config"),
+])
+def test_a_federation_that_does_not_hold_each_client_once_is_refused_before_anything_is_written(
+        nodes, partition_ids, message, tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1)
+    with pytest.raises(FedTaskError, match=message):
+        drive(config, nodes, partition_ids=partition_ids)
+    assert not (tmp_path / "flower").exists()
+
+
+def test_the_run_config_carries_one_json_config_and_is_checked(tiny_bert_dir, tiny_tasks_dir, tmp_path, monkeypatch):
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, "relative/run")
+    settings = AppSettings.for_run(config, resume=True, timeout=30.0)
+    back = AppSettings.from_run_config(settings.to_run_config())
+    assert back == settings and back.exchange_timeout == 30.0 and AppSettings().exchange_timeout is None
+    monkeypatch.chdir(tmp_path)
+    assert back.run_config().output_dir == str(tmp_path / "relative" / "run")
+    assert back.run_config().fingerprint() == config.fingerprint()
+    assert AppSettings.from_run_config({"timeout": 5}).timeout == 5.0
+    with pytest.raises(ConfigError, match="config holds no RunConfig"):
+        AppSettings().run_config()
+    with pytest.raises(ConfigError, match="unknown key 'rounds'"):
+        AppSettings.from_run_config({"rounds": 3})
+    with pytest.raises(ConfigError, match="resume must be a bool"):
+        AppSettings.from_run_config({"resume": "yes"})
+
+
+def test_the_app_folder_is_the_manifest_and_builds_a_fab_without_code():
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.config import validate_config
+
+    on_disk = tomllib.loads((APP_DIR / "pyproject.toml").read_text())
+    assert on_disk == manifest()
+    assert "federations" not in on_disk["tool"]["flwr"]
+    assert validate_config(on_disk, check_module=True) == (True, [], [])
+    import io
+    import zipfile
+
+    names = zipfile.ZipFile(io.BytesIO(build_fab_from_disk(APP_DIR))).namelist()
+    assert sorted(names) == [".info/CONTENT", "pyproject.toml"]
+
+
+# -- slow: real SuperLink and SuperNode processes ------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Processes started in their own process groups, stopped by PID (SIGTERM to each group)."""
+
+    def __init__(self, env: dict, logs: Path):
+        self.env, self.logs, self.procs = env, logs, []
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        exe = str(Path(sys.executable).with_name(args[0]))
+        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen([exe, *args[1:]], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=self.logs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def tail(self) -> str:
+        logs = sorted(self.logs.glob("*.log"))
+        return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in logs)
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the SuperLink exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"no SuperLink on port {port} after {seconds} s")
+
+
+@pytest.fixture
+def flower_home(tmp_path, monkeypatch):
+    """A temporary FLWR_HOME and the environment for Flower processes."""
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    return home, env
+
+
+def _connection(home: Path, port: int) -> str:
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    return "loopback"
+
+
+@pytest.mark.slow
+def test_loopback_deployment_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home,
+                                                       reference_run):
+    home, env = flower_home
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", num_clients=3)
+    port = _free_port()
+    procs = Processes(env, tmp_path / "logs")
+    try:
+        link = procs.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                           "--disable-runtime-dependency-installation")
+        _wait_healthy(port, link)
+        for i in range(3):
+            procs.start(f"supernode-{i}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
+                        "--port", str(_free_port()), "--node-config", f"partition-id={i} num-partitions=3")
+        start = time.monotonic()
+        launch(config, _connection(home, port), app_dir=APP_DIR, wait=120.0, flwr_home=home, echo=None)
+        print(f"loopback deployment run: {time.monotonic() - start:.1f} s")
+    except BaseException:
+        print(procs.tail())
+        raise
+    finally:
+        procs.stop()
+    assert_same_run(reference_run(config), tmp_path / "flower")
+
+
+@pytest.mark.slow
+def test_ray_simulation_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home, reference_run):
+    home, env = flower_home
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedavg", num_clients=3)
+    port = _free_port()
+    procs = Processes(env, tmp_path / "logs")
+    try:
+        link = procs.start("superlink", "flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
+                           "--port", str(port), "--disable-runtime-dependency-installation")
+        _wait_healthy(port, link)
+        start = time.monotonic()
+        launch(config, _connection(home, port), wait=120.0, flwr_home=home, echo=None,
+               federation_config={"num-supernodes": 3})
+        print(f"Ray simulation run: {time.monotonic() - start:.1f} s")
+    except BaseException:
+        print(procs.tail())
+        raise
+    finally:
+        procs.stop()
+    assert_same_run(reference_run(config), tmp_path / "flower")
+
+
+@pytest.mark.slow
+def test_a_failed_flower_run_is_a_fedtask_error(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home):
+    """`flwr run --stream` exits 0 when the ServerApp raised; the launcher reads the status instead."""
+    home, env = flower_home
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", num_clients=3)
+    port = _free_port()
+    procs = Processes(env, tmp_path / "logs")
+    try:
+        link = procs.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                           "--disable-runtime-dependency-installation")
+        _wait_healthy(port, link)
+        for i in range(2):  # one SuperNode short
+            procs.start(f"supernode-{i}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
+                        "--port", str(_free_port()), "--node-config", f"partition-id={i} num-partitions=3")
+        with pytest.raises(FedTaskError, match=r"Flower run \d+ on 'loopback' ended finished:failed \(ServerApp "
+                                                r"failed with exception: the federation has 2 nodes .* 3 clients"):
+            launch(config, _connection(home, port), app_dir=APP_DIR, wait=5.0, flwr_home=home, echo=None)
+    finally:
+        procs.stop()
+    assert not (tmp_path / "flower").exists()
+
+
+@pytest.mark.slow
+def test_launch_without_a_superlink_is_a_one_line_error(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home):
+    home, _ = flower_home
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower")
+    with pytest.raises(FedTaskError, match=r"^flwr run exited with status 1: .*SuperLink is unavailable[^\n]*$"):
+        launch(config, _connection(home, _free_port()), flwr_home=home, echo=None)
