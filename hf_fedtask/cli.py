@@ -1,4 +1,4 @@
-"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export, merge, unlearn.
+"""`hf-fedtask`: run, inspect, export, evaluate, push, suite export, merge, unlearn, flower.
 
 Every failure on bad input is one line on stderr and a non-zero exit; nothing on disk is replaced."""
 
@@ -19,6 +19,29 @@ def _run(args) -> int:
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)
     print(run_report(config, results))
+    return 0
+
+
+def _flower_run(args) -> int:
+    from hf_fedtask.engine.flower.launch import launch
+
+    config = config_from_args(args)
+    federation = {}
+    for item in args.federation_config or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--federation-config {item!r}: expected KEY=VALUE, e.g. num-supernodes=4")
+        federation[key] = int(value) if value.isdigit() else value
+    run_id = launch(config, args.connection, app_dir=args.app_dir, resume=args.resume, overwrite=args.overwrite,
+                    timeout=args.timeout, wait=args.wait, federation_config=federation or None)
+    print(f"Flower run {run_id} finished; results in {config.output_dir}")
+    return 0
+
+
+def _flower_app(args) -> int:
+    from hf_fedtask.engine.flower.manifest import write_app_dir
+
+    print(write_app_dir(args.folder))
     return 0
 
 
@@ -131,6 +154,14 @@ the run's updates (runs with track_task_vectors: true) or --task-vector. Both pr
 task's metric and the retained tasks' before and after, and the exported cards say what was removed."""
 
 
+FLOWER_HELP = """\
+Run any strategy on a Flower federation: the same round loop, byte accounting, validation, metrics
+and checkpoints as the in-process engine, with each client in a SuperNode (one per client id,
+started with --node-config "partition-id=K num-partitions=N"). The ServerApp writes the run folder
+(give an absolute --output-dir on a shared disk). `flwr run` reports success even when the ServerApp
+failed; `hf-fedtask flower run` checks the run's status and exits 2 unless it completed."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-fedtask", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="federated: continue an interrupted unlearning run")
     p.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")
     p.set_defaults(func=_unlearn)
+
+    p = sub.add_parser("flower", help="run on a Flower federation (pip install \"hf-fedtask[flower]\")",
+                       description=FLOWER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flower_sub = p.add_subparsers(dest="flower_command", required=True)
+    f = flower_sub.add_parser("run", help="flwr run the hf_fedtask app for a RunConfig; fails unless the run completed")
+    add_config_arguments(f)
+    f.add_argument("--connection", required=True, help="a SuperLink connection of $FLWR_HOME/config.toml")
+    f.add_argument("--app-dir", default=None, help="the Flower app folder (default: the manifest, written afresh)")
+    f.add_argument("--federation-config", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="simulation SuperLinks: e.g. num-supernodes=4 (one SuperNode per client)")
+    f.add_argument("--timeout", type=float, default=None, help="seconds to wait for one exchange's replies")
+    f.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the SuperNodes to connect")
+    f.add_argument("--resume", action="store_true")
+    f.add_argument("--overwrite", action="store_true")
+    f.set_defaults(func=_flower_run)
+    f = flower_sub.add_parser("app", help="write the Flower app folder (pyproject.toml manifest) for `flwr run`")
+    f.add_argument("folder")
+    f.set_defaults(func=_flower_app)
 
     p = sub.add_parser("suite", help="builtin task suites")
     suite_sub = p.add_subparsers(dest="suite_command", required=True)
