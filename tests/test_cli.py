@@ -86,3 +86,20 @@ def test_load_adapter_example_predicts_label_names(tiny_config, capsys):
     spec.loader.exec_module(example)
     labels = example.main(str(adapter), ["red apple", "blue sky"])
     assert len(labels) == 2 and set(labels) <= {"red", "blue", "green"}
+
+
+def test_flower_app_writes_the_manifest_and_a_bad_connection_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("flwr")
+    import tomllib
+
+    repo_app = Path(__file__).resolve().parents[1] / "flower-app" / "pyproject.toml"
+    assert main(["flower", "app", str(tmp_path / "app")]) == 0
+    assert tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text()) == tomllib.loads(repo_app.read_text())
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    capsys.readouterr()
+    assert main(["flower", "run", "--connection", "nowhere", "--output-dir", str(tmp_path / "run"), "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hf-fedtask: error") and "nowhere" in err[-1]
+    assert not (tmp_path / "run").exists()
+    assert main(["flower", "run", "--connection", "x", "--strategy", "fedavg", "--kappa", "2"]) == 2
+    assert "'fedavg' does not support option 'kappa'" in capsys.readouterr().err

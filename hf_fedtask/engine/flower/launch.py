@@ -58,7 +58,8 @@ def launch(config: RunConfig, connection: str, *, app_dir: str | Path | None = N
     config = dataclasses.replace(config, output_dir=str(Path(config.output_dir).expanduser().resolve()))
     settings = AppSettings.for_run(config, resume=resume, overwrite=overwrite, timeout=float(timeout or 0.0),
                                    wait=float(wait))
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0")}
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
+           "COLUMNS": "400"}  # rich wraps (and splits words) at 80 columns when piped
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home)
     flwr = flwr_executable()
@@ -136,6 +137,9 @@ def _toml_value(value) -> str:
 
 
 def _last_words(lines: list[str]) -> str:
-    """The end of a CLI's output as one line (without the frame `rich` draws around errors)."""
-    text = [stripped for line in lines if (stripped := line.strip(" \t│╭╮╰╯─┃━┏┓┗┛"))]
-    return " ".join(text[-3:]) if text else "no output"
+    """The last message of a CLI's output as one line: the last box `rich` draws around errors (its
+    frame removed), else the last three lines."""
+    boxes = [i for i, line in enumerate(lines) if line.lstrip().startswith("╭")]
+    tail = lines[boxes[-1]:] if boxes else lines
+    text = [stripped for line in tail if (stripped := line.strip(" \t│╭╮╰╯─┃━┏┓┗┛"))]
+    return " ".join(text if boxes else text[-3:]) if text else "no output"
