@@ -64,7 +64,7 @@ def unlearning_report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
@@ -85,13 +85,13 @@ def _save_round_plot(fig, ax, path: Path, title: str) -> Path:
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:
     """PNG of each task's metric and the mean over rounds."""
-    plt = _pyplot()
+    plt = pyplot()
     rounds = [h["round"] for h in history]
     tasks = list(history[0]["eval"])
     labelled = len(tasks) <= 10  # beyond that a legend is unreadable: draw tasks in grey
@@ -107,7 +107,7 @@ def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Pa
 def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], title: str = "") -> Path:
     """PNG of the forgotten tasks' metric (with their chance level) and every retained task's, per
     round, with the round unlearning started marked."""
-    plt = _pyplot()
+    plt = pyplot()
     rounds = [h["round"] for h in history]
     start = next(h["round"] for h in history if "forgotten" in h)
     forgotten = list(next(h for h in history if "forgotten" in h)["forgotten"])

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from hf_fedtask.engine.run import write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
+from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results, run_comparison  # noqa: E402
 from hf_fedtask.workflows.personalize import local_only, personalize  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser  # noqa: E402
@@ -159,10 +160,7 @@ def write_report(base, table: dict, order: list[str], personal: dict) -> Path:
 
 
 def _plot(table: dict, methods: list[str], settings: list[str], task0: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ks = list(range(1, len(settings) + 1))

@@ -30,7 +30,10 @@ from pathlib import Path  # noqa: E402
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE  # noqa: E402
 from hf_fedtask.engine.run import METRICS_FILE, RESULTS_FILE, write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.report import headline_metric  # noqa: E402
+from hf_fedtask.report import (
+    headline_metric,  # noqa: E402
+    pyplot,  # noqa: E402
+)
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import presets_beside, recipe_config, recipe_parser  # noqa: E402
 from hf_fedtask.workflows.unlearn import negate_task, unlearn  # noqa: E402
@@ -165,10 +168,7 @@ def _retained(record: dict, forget: str) -> float:
 
 
 def _plot_curves(curves: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, ((regime, strategy), history) in enumerate(curves.items()):
@@ -188,10 +188,7 @@ def _plot_curves(curves: dict, path: Path) -> None:
 
 
 def _plot_unlearning(hist: dict, forget: str, chance: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (strategy, history) in enumerate(hist.items()):

@@ -228,14 +228,7 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
         return header
 
     def _serializable(self) -> dict[str, torch.Tensor]:
-        # safetensors refuses non-contiguous tensors and tensors sharing memory (tied weights).
-        out, storages = {}, set()
-        for k, v in self.items():
-            v = v.detach().cpu().contiguous()
-            storage = v.untyped_storage().data_ptr()
-            out[k] = v.clone() if storage in storages else v
-            storages.add(storage)
-        return out
+        return safetensors_ready(self)
 
     def save(self, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
         """Write atomically: to a temporary file in the same directory, fsync, then rename.
@@ -296,6 +289,18 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
         except (safetensors.SafetensorError, OSError, ValueError, TypeError) as exc:
             raise TaskVectorError(f"{source}: cannot read task vector: {_one_line(exc)}") from None
         return _checked(tensors, metadata, source, template, expect)
+
+
+def safetensors_ready(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors with no shared storage: what safetensors accepts (it refuses
+    non-contiguous tensors and tensors sharing memory, e.g. tied weights), as peft's saver prepares them."""
+    out, storages = {}, set()
+    for k, v in tensors.items():
+        v = v.detach().cpu().contiguous()
+        storage = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if storage in storages else v
+        storages.add(storage)
+    return out
 
 
 def _checked(tensors, metadata, source, template, expect) -> TaskVector:

@@ -15,6 +15,7 @@ from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
 
 from hf_fedtask.core.files import staged_folder
+from hf_fedtask.core.taskvector import safetensors_ready
 from hf_fedtask.errors import ConfigError, FedTaskError, TaskVectorError
 
 
@@ -31,25 +32,12 @@ def check_portable_base_model_id(base_model_id: str) -> None:
         raise ValueError(f"base_model_id {base_model_id!r} is not a valid Hub model id: {err}") from None
 
 
-def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached, contiguous tensors with no shared storage, as safetensors requires and as
-    PEFT's own saver prepares them."""
-    seen: set[tuple] = set()
-    out = {}
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach().contiguous()
-        storage = (tensor.device, tensor.untyped_storage().data_ptr())
-        out[name] = tensor.clone() if storage in seen else tensor
-        seen.add(storage)
-    return out
-
-
 def _write_files(folder: Path, peft_config: PeftConfig, state_dict, base_model_id: str, card) -> None:
     config = copy.deepcopy(peft_config)
     config.base_model_name_or_path = base_model_id
     config.inference_mode = True  # what PeftModel.save_pretrained records
     config.save_pretrained(str(folder))
-    save_file(_safetensors_ready(state_dict), str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(safetensors_ready(state_dict), str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     if card is not None:
         (folder / "README.md").write_text(str(card), encoding="utf-8")
 

@@ -37,7 +37,7 @@ from peft import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 from hf_fedtask.core.files import staged_folder
-from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
+from hf_fedtask.core.taskvector import TaskVector, peft_config_hash, safetensors_ready
 from hf_fedtask.errors import ConfigError, FedTaskError, OutputDirError, TaskVectorError
 from hf_fedtask.merge.bitmask import pack_bits, packed_size, unpack_bits
 
@@ -293,9 +293,8 @@ def storage_report(folder: str | os.PathLike) -> dict:
 
 
 def _adapter_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """adapter_model.safetensors content: own contiguous storage per tensor, as safetensors needs."""
-    tensors = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in state.items()}
-    return safetensors.torch.save(tensors, metadata={"format": "pt"})
+    """adapter_model.safetensors content, serialized as `save_adapter` writes it."""
+    return safetensors.torch.save(safetensors_ready(state), metadata={"format": "pt"})
 
 
 def write_adapter_folder(folder: Path, config_json: bytes, state: Mapping[str, torch.Tensor],

@@ -36,7 +36,8 @@ from hf_fedtask.merge import weighted_average
 from hf_fedtask.model.host import PeftHost
 
 __all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", "ClientStore", "GlobalState",
-           "Strategy", "StrategyConfig", "average_heads", "build_strategy", "head_name", "register_strategy"]
+           "Strategy", "StrategyConfig", "average_heads", "build_strategy", "head_name", "register_strategy",
+           "updates_by_task"]
 
 TRAIN, QUERY, EVALUATE = "train", "query", "evaluate"
 """Message kinds: train (a client update), query (statistics or gradients, no training), evaluate."""
@@ -183,13 +184,18 @@ class Strategy(ABC):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState: ...
 
 
+def updates_by_task(updates: Iterable[ClientUpdate]) -> dict[str, list[ClientUpdate]]:
+    """Each task (in name order) with the updates of the clients that hold it."""
+    updates = list(updates)
+    return {task: [u for u in updates if task in u.num_samples]
+            for task in sorted({t for u in updates for t in u.num_samples})}
+
+
 def average_heads(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0) -> dict[str, TaskVector]:
     """Each task's head moved by `server_lr` times the sample-weighted mean of the head changes
     (`head/<task>` in the updates) of the clients holding that task; heads of absent tasks stay."""
-    updates = list(updates)
     heads = {}
-    for task in sorted({t for u in updates for t in u.num_samples}):
-        holders = [u for u in updates if task in u.num_samples]
+    for task, holders in updates_by_task(updates).items():
         key = head_name(task)
         mean = weighted_average((u.vectors[key] for u in holders), (u.num_samples[task] for u in holders))
         heads[key] = state.vectors[key] + server_lr * mean

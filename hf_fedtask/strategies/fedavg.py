@@ -34,6 +34,7 @@ from hf_fedtask.strategies.base import (
     average_heads,
     head_name,
     register_strategy,
+    updates_by_task,
 )
 
 TASK_VECTOR = "task_vector/"
@@ -110,12 +111,11 @@ def accumulate_task_vectors(state: GlobalState, updates: list[ClientUpdate], ser
     to the movement of the shared modules since round 0."""
     total = sum(u.total_samples for u in updates)
     out = {}
-    for task in sorted({t for u in updates for t in u.num_samples}):
+    for task, holders in updates_by_task(updates).items():
         key = task_vector_name(task)
-        step = out.get(key, state.vectors[key])
-        for u in updates:
-            if task in u.num_samples:
-                step = step + u.vectors[SHARED] * (server_lr * u.num_samples[task] / total)
+        step = state.vectors[key]
+        for u in holders:
+            step = step + u.vectors[SHARED] * (server_lr * u.num_samples[task] / total)
         out[key] = step
     return out
 

@@ -51,6 +51,7 @@ from hf_fedtask.strategies.base import (
     StrategyConfig,
     head_name,
     register_strategy,
+    updates_by_task,
 )
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
@@ -207,8 +208,7 @@ class FedYolo(Strategy):
         means = {}
         if SHARED in updates[0].vectors:
             means[SHARED] = weighted_average((u.vectors[SHARED] for u in updates), map(self._weight, updates))
-        for task in sorted({t for u in updates for t in u.num_samples}):
-            holders = [u for u in updates if task in u.num_samples]
+        for task, holders in updates_by_task(updates).items():
             for name in (module_name(task), head_name(task)):
                 if name in holders[0].vectors:
                     means[name] = weighted_average((u.vectors[name] for u in holders),

@@ -46,6 +46,7 @@ from hf_fedtask.strategies.base import (
     average_heads,
     head_name,
     register_strategy,
+    updates_by_task,
 )
 
 WIRE = "matu"
@@ -207,8 +208,7 @@ class MaTU(Strategy):
         updates = [dataclasses.replace(u, vectors={**u.vectors, **{
             head_name(t): h for t, h in decode_heads(u.vectors[WIRE], self._heads(state, sorted(u.num_samples))).items()}})
             for u in updates]
-        for task in sorted({t for u in updates for t in u.num_samples}):
-            holders = [u for u in updates if task in u.num_samples]
+        for task, holders in updates_by_task(updates).items():
             total = sum(u.num_samples[task] for u in holders)
             # τ_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n), weighted by γ_n^t (Eq. 4); the sign vote of Eq. 3 ignores λ > 0
             reconstructed = [decode_task(u.vectors[WIRE], sorted(u.num_samples).index(task), origin) for u in holders]

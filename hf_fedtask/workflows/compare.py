@@ -16,6 +16,7 @@ from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.data.reference import shipped_reference
 from hf_fedtask.engine.run import RESULTS_FILE, run
+from hf_fedtask.report import pyplot
 
 INDIVIDUAL = "individual"
 
@@ -93,10 +94,7 @@ def write_comparison(table: dict, base: RunConfig, titles: dict[str, str]) -> Pa
 
 def plot_comparison(rows: dict[str, list[dict]], path: Path) -> Path:
     """Grouped bars: mean accuracy per method, one group per setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     settings = list(rows)
     methods = [r["method"] for r in rows[settings[0]]]
