@@ -12,11 +12,14 @@ from dataclasses import field
 from hf_fedtask.errors import ConfigError
 
 
-def option(default, help: str, choices: tuple | None = None, **kwargs):
-    """A dataclass field with `help` (shown by `--help`) and optional `choices`."""
+def option(default, help: str, choices: tuple | None = None, minimum: float | None = None,
+           maximum: float | None = None, **kwargs):
+    """A dataclass field with `help` (shown by `--help`), optional `choices` and an inclusive range
+    (`minimum`, `maximum`; for a list, of each element)."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, "choices": choices}, **kwargs)
-    return field(default=default, metadata={"help": help, "choices": choices}, **kwargs)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 def field_type(cls, name: str) -> tuple[type, bool, bool]:
@@ -63,7 +66,13 @@ def check_fields(obj, source: str = "config") -> None:
             value = [_coerce(v, kind, where) for v in value]
         else:
             value = _coerce(value, kind, where)
+        values = value if is_list else [value]
         choices = f.metadata.get("choices")
-        if choices and any(v not in choices for v in (value if is_list else [value])):
+        if choices and any(v not in choices for v in values):
             raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
+        if any((low is not None and v < low) or (high is not None and v > high) for v in values):
+            bounds = f"in [{low}, {high}]" if low is not None and high is not None else \
+                (f">= {low}" if low is not None else f"<= {high}")
+            raise ConfigError(f"{where}: must be {bounds}, got {value!r}")
         object.__setattr__(obj, f.name, value)

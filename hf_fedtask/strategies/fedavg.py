@@ -22,7 +22,6 @@ from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     SHARED,
@@ -49,12 +48,9 @@ def task_vector_name(task: str) -> str:
 class FedAvgConfig(StrategyConfig):
     server_lr: float = option(1.0, "server step size α: the state moves by α times the mean update")
     forget_tasks: list[str] | None = option(None, "unlearning: negate the updates of the clients holding these tasks")
-    forget_clients: list[int] | None = option(None, "unlearning: negate the updates of these clients")
+    forget_clients: list[int] | None = option(None, "unlearning: negate the updates of these clients", minimum=0)
     track_task_vectors: bool = option(False, "keep each task's accumulated vector (for one-shot negation)")
 
-    def validate(self):
-        if any(c < 0 for c in self.forget_clients or ()):
-            raise ConfigError(f"strategy options: forget_clients must be client ids >= 0, got {self.forget_clients}")
 
 
 @register_strategy
@@ -139,12 +135,8 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
 
 @dataclass
 class FedProxConfig(FedAvgConfig):
-    proximal_mu: float = option(0.01, "FedProx's μ: clients add (μ/2)·‖θ − θ_s‖² to their loss")
+    proximal_mu: float = option(0.01, "FedProx's μ: clients add (μ/2)·‖θ − θ_s‖² to their loss", minimum=0)
 
-    def validate(self):
-        super().validate()
-        if self.proximal_mu < 0:
-            raise ConfigError(f"strategy options: proximal_mu must be >= 0, got {self.proximal_mu}")
 
 
 @register_strategy

@@ -49,12 +49,9 @@ def last_block_keys(keys: list[str], blocks: int) -> list[str]:
 
 @dataclass
 class FedPerConfig(StrategyConfig):
-    personal_blocks: int = option(1, "last transformer blocks kept on the client (with the heads)")
+    personal_blocks: int = option(1, "last transformer blocks kept on the client (with the heads)", minimum=1)
     server_lr: float = option(1.0, "server step size α")
 
-    def validate(self):
-        if self.personal_blocks < 1:
-            raise ConfigError(f"strategy options: personal_blocks must be >= 1, got {self.personal_blocks}")
 
 
 @register_strategy

@@ -18,7 +18,6 @@ import torch
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     SHARED,
@@ -45,11 +44,8 @@ def cosine_similarity_matrix(vectors: list[TaskVector]) -> torch.Tensor:
 @dataclass
 class MaTFLConfig(StrategyConfig):
     server_lr: float = option(1.0, "server step size α")
-    group_size: int = option(3, "peers (self included) each client aggregates with")
+    group_size: int = option(3, "peers (self included) each client aggregates with", minimum=1)
 
-    def validate(self):
-        if self.group_size < 1:
-            raise ConfigError(f"strategy options: group_size must be >= 1, got {self.group_size}")
 
 
 @register_strategy

@@ -32,7 +32,6 @@ from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import agreement_mask, sign_similarity, unify
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.merge.unify import RESCALERS
@@ -111,8 +110,8 @@ def decode_heads(wire: TaskVector, templates: dict[str, TaskVector]) -> dict[str
 
 @dataclass
 class MaTUConfig(StrategyConfig):
-    rho: float = option(0.4, "agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)")
-    kappa: int = option(2, "neighbours per task in the cross-task aggregation (never given by the paper)")
+    rho: float = option(0.4, "agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)", minimum=0, maximum=1)
+    kappa: int = option(2, "neighbours per task in the cross-task aggregation (never given by the paper)", minimum=0)
     epsilon: float = option(0.5, "minimum sign similarity S(t, t') of a neighbour")
     combine: str = option("s_normalized", "Eq. 7: sum (literal) | mean | s_normalized", choices=COMBINE_RULES)
     rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)", choices=tuple(RESCALERS))
@@ -120,11 +119,6 @@ class MaTUConfig(StrategyConfig):
     wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
                              choices=tuple(WIRE_DTYPES))
 
-    def validate(self):
-        if not 0 <= self.rho <= 1:
-            raise ConfigError(f"strategy options: rho must be in [0, 1], got {self.rho}")
-        if self.kappa < 0:
-            raise ConfigError(f"strategy options: kappa must be >= 0, got {self.kappa}")
 
 
 @register_strategy
