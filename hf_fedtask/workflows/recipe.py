@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,16 +51,26 @@ def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv:
     from hf_fedtask.report import run_report
 
     args = recipe_parser(description, presets).parse_args(argv)
+    start = time.perf_counter()
     try:
         config = recipe_config(args, defaults, presets)
         results = run(config, resume=args.resume, overwrite=args.overwrite)
         print(run_report(config, results))
+        print(resource_report(time.perf_counter() - start))
         if after is not None:
             after(config, results)
     except FedTaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def resource_report(seconds: float) -> str:
+    """Wall time and this process's peak resident memory, as the README quotes them."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return f"wall time: {int(seconds // 60)} min {seconds % 60:04.1f} s; peak RSS: {peak:.2f} GiB"
 
 
 def presets_beside(script: str, **names: str) -> dict[str, Path]:
