@@ -51,10 +51,20 @@ def headline_metric(record: dict, task: str) -> float:
     return next(v for k, v in record["eval"][task].items() if k != "num_examples")
 
 
+def forgotten_what(unlearning: dict, quote: str = "") -> str:
+    """"task(s) a, b" and/or "client(s) 3": what an unlearning result removed (task names in `quote`)."""
+    parts = []
+    if unlearning.get("tasks"):
+        parts.append("task(s) " + ", ".join(f"{quote}{t}{quote}" for t in unlearning["tasks"]))
+    if unlearning.get("forgotten_clients"):
+        parts.append(f"client(s) {', '.join(map(str, unlearning['forgotten_clients']))}")
+    return " and ".join(parts)
+
+
 def unlearning_report(results: dict) -> str:
     """Console table of an unlearning result: each task's metric before and after, forgotten first."""
     u = results["unlearning"]
-    lines = [f"unlearned {', '.join(u['tasks'])}: {u['method']}", f"{'task':<22}{'before':>9}{'after':>9}"]
+    lines = [f"unlearned {forgotten_what(u)}: {u['method']}", f"{'task':<22}{'before':>9}{'after':>9}"]
     order = [*u["tasks"], *(t for t in results["tasks"] if t not in u["tasks"])]
     for task in order:
         metric = results["tasks"][task]["metric"]
@@ -109,8 +119,8 @@ def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], t
     round, with the round unlearning started marked."""
     plt = pyplot()
     rounds = [h["round"] for h in history]
-    start = next(h["round"] for h in history if "forgotten" in h)
-    forgotten = list(next(h for h in history if "forgotten" in h)["forgotten"])
+    start = next(h["round"] for h in history if "forgotten" in h or "forgotten_clients" in h)
+    forgotten = list(next((h["forgotten"] for h in history if "forgotten" in h), {}))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for task in history[0]["eval"]:
         values = [headline_metric(h, task) for h in history]

@@ -36,7 +36,7 @@ from hf_fedtask.engine.transport import InProcessTransport, Transport
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters
 from hf_fedtask.export.compact import storage_report
-from hf_fedtask.report import plot_metric_vs_round, plot_unlearning
+from hf_fedtask.report import forgotten_what, plot_metric_vs_round, plot_unlearning
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def finish_run(env: Environment, state: GlobalState, results: dict, history: lis
         plot_metric_vs_round(history, run_dir / PLOT_FILE, title=f"{env.strategy.name} on {config.suite or 'tasks'}")
     if "unlearning" in results and "from_round" in results["unlearning"]:
         plot_unlearning(history, run_dir / UNLEARNING_PLOT_FILE, chance={t.name: t.chance for t in env.tasks},
-                        title=f"{env.strategy.name}: unlearning {', '.join(results['unlearning']['tasks'])}")
+                        title=f"{env.strategy.name}: unlearning {forgotten_what(results['unlearning'])}")
     if config.export:
         compact = export_adapters(run_export(env, stores), state, results, run_dir)
         if compact is not None:

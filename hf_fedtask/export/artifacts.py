@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hf_fedtask.data.task import Task
     from hf_fedtask.strategies import Strategy
 
-from hf_fedtask.report import ADAPTERS_DIR, COMPACT_DIR
+from hf_fedtask.report import ADAPTERS_DIR, COMPACT_DIR, forgotten_what
 
 LINEARIZED_DIR = "linearized"
 MULTI_ADAPTER_DIR = "multi_adapter"
@@ -114,11 +114,13 @@ def unlearning_note(results: dict) -> str | None:
         f"`{t}` {metric[t]} {u['before'][t][metric[t]]:.4f} → {u['after'][t][metric[t]]:.4f}" if u.get("before")
         else f"`{t}` {metric[t]} {u['after'][t][metric[t]]:.4f}" for t in u["tasks"])
     if "from_round" in u:
-        how = (f"in rounds {u['from_round']}–{u['from_round'] + u['rounds'] - 1} the updates of the "
-               f"{len(u['clients'])} client(s) holding it were negated before aggregation (NTKFedAvg Alg. 1, lines 8–9)")
+        how = (f"in rounds {u['from_round']}–{u['from_round'] + u['rounds'] - 1} the updates of "
+               f"{len(u['clients'])} client(s) ({', '.join(map(str, u['clients']))}) were negated before "
+               "aggregation (NTKFedAvg Alg. 1, lines 8–9)")
     else:
         how = f"its accumulated task vector, scaled by {u['scale']}, was subtracted from the merged model (task arithmetic)"
-    return f"**Unlearned task(s) {', '.join(f'`{t}`' for t in u['tasks'])}**: {how}. Before → after: {change}."
+    after = f" Before → after: {change}." if change else ""
+    return f"**Unlearned {forgotten_what(u, quote='`')}**: {how}.{after}"
 
 
 def linearization_note(results: dict, task: str) -> str | None:

@@ -18,13 +18,16 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.core.files import folder_lock, write_atomic
 from hf_fedtask.core.state import SHARED, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.engine.run import (
     RESULTS_FILE,
+    RUN_CONFIG_FILE,
     RoundContext,
     check_output_dir,
+    checkpoint_allocation,
     claim_output_dir,
     load_run_config,
     open_finished_run,
@@ -35,6 +38,7 @@ from hf_fedtask.engine.run import (
 from hf_fedtask.engine.server import Server
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import export_adapters
+from hf_fedtask.strategies import strategy_class
 from hf_fedtask.strategies.fedavg import task_vector_name
 
 
@@ -45,6 +49,12 @@ def _run_name_part(name: str) -> str:
     return name
 
 
+def _checked_run_config(run_dir: Path):
+    if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
+        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run (needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
+    return load_run_config(run_dir)
+
+
 def unlearn(run_dir: str | Path, task: str | None, rounds: int, *, client: int | None = None,
             output_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
             callbacks: list[Callable[[RoundContext], None]] = ()) -> dict:
@@ -52,25 +62,27 @@ def unlearn(run_dir: str | Path, task: str | None, rounds: int, *, client: int |
     `run_dir` (left as is). Writes to `output_dir` (default `<run_dir>-unlearn-<task>` or
     `<run_dir>-unlearn-client<K>`) and returns its results, whose `unlearning` entry holds each
     task's metric before and after."""
-    finished = open_finished_run(run_dir)  # validates the folder and its checkpoint
-    run_dir, parent = finished.run_dir, finished.env.config
-    strategy = finished.env.strategy
-    if not strategy.capabilities.federated_unlearning:
-        raise ConfigError(f"strategy {strategy.name!r} does not support federated unlearning; "
-                          "use a FedAvg-family strategy (fedavg, fedprox, ntkfedavg, ntkfedprox)")
     if (task is None) == (client is None):
         raise ConfigError("unlearn: give a task or a client")
     if rounds <= 0:
         raise ConfigError(f"unlearning rounds must be positive, got {rounds}")
+    run_dir = Path(run_dir)
+    parent = _checked_run_config(run_dir)  # the cheap checks come before the model is loaded
+    if not strategy_class(parent.strategy).capabilities.federated_unlearning:
+        raise ConfigError(f"strategy {parent.strategy!r} does not support federated unlearning; "
+                          "use a FedAvg-family strategy (fedavg, fedprox, ntkfedavg, ntkfedprox)")
+    allocation = checkpoint_allocation(run_dir)
     options = parent.strategy_options
     if task is not None:
-        if task not in {t.name for t in finished.env.tasks}:
-            raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(t.name for t in finished.env.tasks)}")
+        tasks = sorted({t for held in allocation.values() for t in held})
+        if task not in tasks:
+            raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(tasks)}")
         suffix, change = _run_name_part(task), {"forget_tasks": [*(options.get("forget_tasks") or []), task]}
     else:
-        if not 0 <= client < len(finished.state.allocation):
-            raise ConfigError(f"unknown client {client}; the run has clients 0-{len(finished.state.allocation) - 1}")
+        if not 0 <= client < len(allocation):
+            raise ConfigError(f"unknown client {client}; the run has clients 0-{len(allocation) - 1}")
         suffix, change = f"client{client}", {"forget_clients": [*(options.get("forget_clients") or []), client]}
+    finished = open_finished_run(run_dir)  # validates the checkpoint against the run's layout
     out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-unlearn-{suffix}")
     if out.resolve() == run_dir.resolve():
         raise OutputDirError(f"{out}: unlearning writes a new run; choose an output dir other than the original run")

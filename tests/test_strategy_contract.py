@@ -1,0 +1,348 @@
+"""The contract every registered strategy keeps (a common tester over `STRATEGIES`, like peft's over its
+TEST_CASES): uploads match `update_templates`, `server_aggregate` leaves its inputs alone and steps the
+round by one, checkpoints round-trip, unknown options are refused, a killed run resumes to the
+uninterrupted result, and the declared `capabilities` are what the run folder holds.
+
+A new strategy gets these tests by registering; one finished 2-round run (and one killed-and-resumed
+twin) per variant is shared by the variant's tests. Tiny BERT, tiny tasks, 2 of 4 clients per round."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hf_fedtask.config import RunConfig
+from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from hf_fedtask.core.fields import field_type
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.engine.inprocess import Federation
+from hf_fedtask.engine.run import restore, run
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.strategies import STRATEGIES, Capabilities, ClientJob, GlobalState, build_strategy_config
+
+EXPORT_DIRS = {"adapters": "adapters", "compact": "compact", "multi_adapter": "multi_adapter",
+               "linearized": "linearized"}
+
+# (id, strategy, strategy options, RunConfig overrides): every registered strategy with its defaults,
+# plus variants whose code paths differ (several tasks per client, shared half + secure sums,
+# linearized at the pretrained point)
+VARIANTS = [(name, name, {}, {}) for name in sorted(STRATEGIES)] + [
+    ("matu-zeta", "matu", {}, {"zeta": 0.5}),
+    ("fedyolo-half", "fedyolo", {"share": "half"}, {}),
+    ("fedyolo-half-secure", "fedyolo", {"share": "half", "secure_aggregation": True}, {}),
+    ("ntkfedavg-pretrained", "ntkfedavg", {"linearize_at": "pretrained"}, {}),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a small shared box, tiny matmuls are ~4x slower with two threads that
+    wait on each other; results are compared only within this module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_after(round_):
+    def callback(ctx):
+        if ctx.round == round_:
+            raise Crash
+
+    return callback
+
+
+def _config(tiny_bert_dir, tiny_tasks_dir, output_dir, strategy, options, overrides) -> RunConfig:
+    return RunConfig(strategy=strategy, strategy_options=dict(options), suite=None, tasks=list(tiny_tasks_dir),
+                     base_model=tiny_bert_dir, base_model_id="hf-fedtask-tests/tiny-bert", num_clients=4, rounds=2,
+                     participation=0.5, batch_size=8, local_steps=1, learning_rate=1e-2, max_length=16,
+                     min_samples=4, output_dir=str(output_dir), **overrides)
+
+
+@dataclasses.dataclass
+class Runs:
+    config: RunConfig
+    straight: Path  # 2 rounds uninterrupted
+    resumed: Path  # killed after round 1, then resumed
+    round1: Path  # a copy of the killed run's checkpoint after round 1
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def runs(request, tiny_bert_dir, tiny_tasks_dir, tmp_path_factory) -> Runs:
+    variant, strategy, options, overrides = request.param
+    base = tmp_path_factory.mktemp(f"contract-{variant}")
+    config = _config(tiny_bert_dir, tiny_tasks_dir, base / "straight", strategy, options, overrides)
+    run(config)
+    killed = dataclasses.replace(config, output_dir=str(base / "resumed"))
+    with pytest.raises(Crash):
+        run(killed, callbacks=[_crash_after(1)])
+    (base / "round1").mkdir()
+    shutil.copy(base / "resumed" / CHECKPOINT_FILE, base / "round1" / CHECKPOINT_FILE)
+    run(killed, resume=True)
+    return Runs(config, base / "straight", base / "resumed", base / "round1")
+
+
+@dataclasses.dataclass
+class HandRound:
+    fed: Federation
+    initial: GlobalState
+    state: GlobalState  # after round 1 (from the killed run's checkpoint)
+    stores: dict
+    clients: list[int]
+    templates: dict[int, dict]
+    updates: dict[int, ClientUpdate]  # as client_update returned them
+    parsed: dict[int, ClientUpdate]  # through the wire, validated against the templates
+
+    @property
+    def secure(self) -> bool:
+        return self.fed.strategy.uses_secure_aggregation()
+
+    def aggregate_inputs(self) -> list[ClientUpdate]:
+        """What the engine hands `server_aggregate`: the uploads, or with secure aggregation their sum."""
+        ups = [self.parsed[c] for c in self.clients]
+        if not self.secure:
+            return ups
+        total = {name: sum((u.vectors[name] for u in ups[1:]), ups[0].vectors[name]) for name in ups[0].vectors}
+        return [ClientUpdate(-1, ups[0].round, total, {})]
+
+
+@pytest.fixture(scope="module")
+def hand_round(runs) -> HandRound:
+    """Round 2 by hand from the round-1 checkpoint: each sampled client's `client_update`, sent over the wire."""
+    fed = Federation(runs.config)
+    strategy, header = fed.strategy, fed.header()
+    initial = fed.initial_state()
+    state, _, stores = restore(fed.env, runs.round1, runs.config.fingerprint())
+    allocation = state.allocation
+    clients = fed.server.sample_clients(2)
+    templates, updates, parsed = {}, {}, {}
+    for c in clients:
+        sent = pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes()
+        downlink = unpack_vectors(TaskVector.from_bytes(sent, source=f"downlink to client {c}"))
+        job = ClientJob(client_id=c, round=2, data=fed.client_data(c), seed=runs.config.seed, origin=fed.origin,
+                        initial_heads=fed.initial_heads, store=stores.setdefault(c, {}))
+        updates[c] = strategy.client_update(downlink, job, fed.trainer)
+        templates[c] = strategy.update_templates(state, c, allocation[c])
+        parsed[c] = ClientUpdate.from_bytes(updates[c].to_bytes(**header), templates=templates[c], expect=header,
+                                            source=f"client {c} (round 2)")
+    return HandRound(fed, initial, state, stores, clients, templates, updates, parsed)
+
+
+def _final_state(runs: Runs, fed: Federation):
+    return restore(fed.env, runs.straight, runs.config.fingerprint())
+
+
+def _snapshot_vectors(vectors: dict) -> dict:
+    return {name: {k: t.clone() for k, t in tv.items()} for name, tv in vectors.items()}
+
+
+def _assert_vectors_equal(got: dict, expected: dict, exact: bool = True, ordered: bool = True):
+    order = list if ordered else sorted
+    assert order(got) == order(expected)
+    for name, tv in expected.items():
+        assert order(got[name]) == order(tv), name
+        for k, t in tv.items():
+            if exact:
+                assert got[name][k].dtype == t.dtype and torch.equal(got[name][k], t), f"{name}::{k}"
+            else:
+                torch.testing.assert_close(got[name][k], t, rtol=1e-4, atol=1e-6, msg=f"{name}::{k}")
+
+
+def _layout(vectors: dict) -> dict:
+    return {name: [(k, tuple(t.shape), t.dtype) for k, t in tv.items()] for name, tv in vectors.items()}
+
+
+# -- 1. uploads ------------------------------------------------------------------------------------
+
+def test_every_upload_matches_update_templates(runs, hand_round):
+    """Each sampled client's `client_update` has the names, keys, shapes and dtypes of its
+    `update_templates`, survives the wire validated against them, and reports its own tasks."""
+    h = hand_round
+    allocation = h.state.allocation
+    assert len(h.clients) == 2 < len(allocation)  # partial participation
+    if runs.config.zeta > 0:
+        assert any(len(allocation[c]) > 1 for c in h.clients), allocation  # several tasks per client
+    for c in h.clients:
+        update, parsed = h.updates[c], h.parsed[c]
+        assert _layout(update.vectors) == _layout(h.templates[c]), f"client {c}"
+        assert (parsed.client_id, parsed.round) == (c, 2)
+        assert parsed.num_samples == update.num_samples and sorted(parsed.num_samples) == sorted(allocation[c])
+        _assert_vectors_equal(parsed.vectors, update.vectors)
+    if h.secure:  # what gets masked: one slot layout for every client, whatever tasks it holds
+        layouts = [_layout(h.templates[c]) for c in h.clients]
+        assert all(layout == layouts[0] for layout in layouts)
+        record = json.loads((runs.straight / "metrics.jsonl").read_text().splitlines()[1])  # round 2
+        numel = sum(tv.numel() for tv in h.templates[h.clients[0]].values())
+        assert record["params_uplink"] == numel * len(record["clients"])
+
+
+# -- 2. / 3. the server step -----------------------------------------------------------------------
+
+def test_server_aggregate_leaves_its_inputs_unchanged_and_equals_the_engine_round(runs, hand_round):
+    """`server_aggregate` mutates neither the state nor the updates (dict keys, tensors, scalars), and
+    the hand-driven round gives the engine's round-2 state."""
+    h = hand_round
+    inputs = h.aggregate_inputs()
+    state_vectors, scalars = _snapshot_vectors(h.state.vectors), copy.deepcopy(h.state.scalars)
+    before = [(u.client_id, u.round, _snapshot_vectors(u.vectors), dict(u.num_samples), dict(u.metrics)) for u in inputs]
+    new = h.fed.strategy.server_aggregate(h.state, inputs)
+    _assert_vectors_equal(h.state.vectors, state_vectors)
+    assert h.state.scalars == scalars and h.state.round == 1
+    for u, (cid, round_, vectors, samples, metrics) in zip(inputs, before):
+        assert (u.client_id, u.round, u.num_samples, u.metrics) == (cid, round_, samples, metrics)
+        _assert_vectors_equal(u.vectors, vectors)
+    final, _, _ = _final_state(runs, h.fed)
+    # the secure engine sums fixed-point encoded uploads: equal up to the encoding's resolution
+    _assert_vectors_equal(new.vectors, final.vectors, exact=not h.secure)
+
+
+def test_a_round_steps_the_round_by_one_and_keeps_the_allocation(hand_round):
+    """The new state is round + 1, keeps the allocation scalar, and has the layout `state_template` gives
+    for its scalars (the layout checkpoints are validated against)."""
+    h = hand_round
+    new = h.fed.strategy.server_aggregate(h.state, h.aggregate_inputs())
+    assert new.round == h.state.round + 1 == 2
+    assert new.scalars["allocation"] == h.state.scalars["allocation"]
+    assert new.allocation == h.fed.allocation
+    assert _layout(new.vectors) == _layout(h.fed.strategy.state_template(h.initial, new.scalars).vectors)
+
+
+# -- 4. checkpoints --------------------------------------------------------------------------------
+
+def test_checkpoint_round_trips_mid_run(runs, hand_round, tmp_path):
+    """save_checkpoint then load_checkpoint with the strategy's `state_template` gives back the state
+    (vectors in order, scalars, round), the history (timings included) and the clients' stores."""
+    h = hand_round
+    fed, strategy = h.fed, h.fed.strategy
+    new = strategy.server_aggregate(h.state, h.aggregate_inputs())
+    logged = [json.loads(line) for line in (runs.straight / "metrics.jsonl").read_text().splitlines()]
+    assert all("seconds" in r for r in logged)
+    for i, (state, history) in enumerate(((h.state, logged[:1]), (new, logged))):
+        folder = tmp_path / f"ckpt{i}"
+        folder.mkdir()
+        stores = {c: s for c, s in h.stores.items() if s}
+        save_checkpoint(folder, state, history=history, fingerprint=runs.config.fingerprint(), stores=stores,
+                        **fed.header())
+        got, got_history, got_stores = load_checkpoint(
+            folder, fingerprint=runs.config.fingerprint(), template=lambda s: strategy.state_template(h.initial, s))
+        assert got.round == state.round and got.scalars == state.scalars
+        _assert_vectors_equal(got.vectors, state.vectors)
+        assert got_history == history and len(history) == state.round
+        assert sorted(got_stores) == sorted(stores)
+        for c, store in stores.items():  # stores have no template: they come back in sorted key order
+            _assert_vectors_equal(got_stores[c], store, ordered=False)
+
+
+# -- 5. options ------------------------------------------------------------------------------------
+
+def _valid_value(config_class, name: str):
+    """A value of option `name` that `config_class` accepts and that differs from its default."""
+    f = next(f for f in dataclasses.fields(config_class) if f.name == name)
+    kind, is_list, _ = field_type(config_class, name)
+    default = getattr(config_class(), name)
+    if f.metadata.get("choices"):
+        candidates = [c for c in f.metadata["choices"] if c != default]
+    elif kind is bool:
+        candidates = [not default]
+    elif is_list:
+        candidates = [[1] if kind is int else ["colors"] if kind is str else [0.5]]
+    elif kind is int:
+        candidates = [(default or 0) + 1, (default or 0) + 2]
+    elif kind is float:
+        candidates = [0.5 * default if default else 0.5, (default or 0.0) + 0.5]
+    else:
+        candidates = ["x"]
+    for value in candidates:
+        try:
+            config_class(**{name: value})
+        except ConfigError:
+            continue
+        return value
+    raise AssertionError(f"no valid non-default value found for {config_class.__name__}.{name}")
+
+
+def _foreign_options(name: str) -> list[tuple[str, str]]:
+    """(owner, option) for every option of another strategy's config that `name`'s config lacks."""
+    own = {f.name for f in dataclasses.fields(STRATEGIES[name].config_class)}
+    out = {}
+    for owner in sorted(STRATEGIES):
+        for f in dataclasses.fields(STRATEGIES[owner].config_class):
+            if f.name not in own:
+                out.setdefault(f.name, owner)
+    return sorted((owner, opt) for opt, owner in out.items())
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_options_of_other_strategies_are_refused_and_own_options_accepted(name, tiny_tasks_dir):
+    """Every option any other registered strategy has and this one lacks is a ConfigError naming the
+    option (nested or flat); each own option is accepted at a non-default valid value."""
+    foreign = _foreign_options(name)
+    assert foreign, f"{name} has every option of every strategy: nothing is probed"
+    for owner, opt in foreign:
+        value = _valid_value(STRATEGIES[owner].config_class, opt)
+        assert getattr(build_strategy_config(owner, {opt: value}), opt) == value  # valid where it belongs
+        with pytest.raises(ConfigError, match=re.escape(repr(opt))):
+            RunConfig(strategy=name, strategy_options={opt: value}, suite=None, tasks=list(tiny_tasks_dir))
+        with pytest.raises(ConfigError, match=re.escape(repr(opt))):
+            RunConfig.from_dict({"strategy": name, "suite": None, "tasks": list(tiny_tasks_dir), opt: value})
+    for f in dataclasses.fields(STRATEGIES[name].config_class):
+        value = _valid_value(STRATEGIES[name].config_class, f.name)
+        config = RunConfig(strategy=name, strategy_options={f.name: value}, suite=None, tasks=list(tiny_tasks_dir))
+        assert getattr(config.strategy_config, f.name) == value
+
+
+# -- 6. resume -------------------------------------------------------------------------------------
+
+def test_resume_after_a_kill_equals_the_uninterrupted_run(runs):
+    """Killed after round 1 and resumed: every checkpoint tensor and header field (wall-clock timings
+    apart), every metrics record (its `seconds` apart) and every exported adapter equal the straight run's."""
+    a, b = load_file(runs.straight / CHECKPOINT_FILE), load_file(runs.resumed / CHECKPOINT_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    headers = []
+    for folder in (runs.straight, runs.resumed):
+        with safe_open(str(folder / CHECKPOINT_FILE), "pt") as f:
+            headers.append({k: v for k, v in f.metadata().items() if k != "timings"})
+    assert headers[0] == headers[1] and json.loads(headers[0]["round"]) == 2
+
+    def records(folder):
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+                for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert records(runs.straight) == records(runs.resumed) and [r["round"] for r in records(runs.straight)] == [1, 2]
+    for adapter in sorted((runs.straight / "adapters").glob("*/adapter_model.safetensors")):
+        x, y = load_file(adapter), load_file(runs.resumed / adapter.relative_to(runs.straight))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), adapter
+
+
+# -- 7. capabilities -------------------------------------------------------------------------------
+
+def test_declared_capabilities_are_what_the_run_shows(runs):
+    """`capabilities` is a Capabilities; the declared exports (and only those) are in the run folder; the
+    evaluation records show client evaluation and linearization exactly when they are declared."""
+    strategy = STRATEGIES[runs.config.strategy](runs.config.strategy_config)
+    caps = strategy.capabilities
+    assert isinstance(caps, Capabilities)
+    assert "adapters" in caps.exports and set(caps.exports) <= set(EXPORT_DIRS), caps.exports
+    for export, folder in EXPORT_DIRS.items():
+        assert (runs.straight / folder).is_dir() == (export in caps.exports), export
+    tasks = [Path(p).name for p in runs.config.tasks]
+    assert sorted(p.name for p in (runs.straight / "adapters").iterdir()) == sorted(tasks)
+    assert not strategy.uses_secure_aggregation() or caps.secure_aggregation
+    for line in (runs.straight / "metrics.jsonl").read_text().splitlines():
+        for task, entry in json.loads(line)["eval"].items():
+            assert ("clients" in entry) == caps.client_evaluation, task
+            assert ("accuracy_nonlinear" in entry) == caps.linearized, task
