@@ -10,6 +10,9 @@ for _var, _val in {
     "FLWR_TELEMETRY_ENABLED": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    # tiny models: a second torch thread costs more than it saves (and far more on a busy 2-core box);
+    # subprocesses the tests start inherit it
+    "OMP_NUM_THREADS": "1",
 }.items():
     os.environ.setdefault(_var, _val)
 
@@ -17,6 +20,8 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 TINY_MODEL_ID = "hf-fedtask-tests/tiny-bert"
 TINY_VIT_ID = "hf-fedtask-tests/tiny-vit"
