@@ -5,13 +5,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from hf_fedtask.cli import main
+from hf_fedtask.core.files import LOCK_FILE
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.engine import run as federation
 
@@ -33,25 +33,50 @@ def _one_line_error(capsys, *words):
 
 
 def _snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file's bytes but the lock file's (it names its last holder)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
 
 
-def test_a_second_process_on_a_run_folder_is_refused_and_the_first_finishes_alone(tiny_config, tmp_path):
+def test_a_second_process_on_a_run_folder_is_refused_naming_the_holder(tiny_config, tmp_path):
+    """While one process holds a run folder, `hf-fedtask run --resume` on it is refused before it loads
+    anything, naming the holder's pid; once the holder is gone the same command runs."""
+    from hf_fedtask.core.files import folder_lock
+
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hf_fedtask.cli", *_argv(tiny_config, out, 25, "--no-export")]
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and first.poll() is None and not (metrics.exists() and metrics.read_text()):
-        time.sleep(0.05)
-    assert first.poll() is None, first.stderr.read()
-    second = subprocess.run(cmd + ["--resume"], capture_output=True, text=True)
+    cli = [sys.executable, "-m", "hf_fedtask.cli"]
+    assert subprocess.run([*cli, *_argv(tiny_config, out, 2, "--no-export")], capture_output=True).returncode == 0
+    before = _snapshot(out)
+    resume = [*cli, *_argv(tiny_config, out, 3, "--no-export", "--resume")]
+    with folder_lock(out):  # this test process is "the first run"
+        second = subprocess.run(resume, capture_output=True, text=True)
     assert second.returncode == 2
-    err = second.stderr.strip().splitlines()  # refused before the model is even loaded
-    assert len(err) == 1 and "in use by pid" in err[0] and str(first.pid) in err[0], second.stderr
-    assert first.wait(timeout=240) == 0
-    rounds = [json.loads(line)["round"] for line in metrics.read_text().splitlines()]
-    assert rounds == list(range(1, 26))
+    err = second.stderr.strip().splitlines()
+    assert len(err) == 1 and "in use by pid" in err[0] and f"pid {os.getpid()}" in err[0], second.stderr
+    assert _snapshot(out) == before
+    resumed = subprocess.run(resume, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_the_lock_of_a_killed_holder_is_released(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from hf_fedtask.core.files import folder_lock\n"
+                               f"with folder_lock({str(folder)!r}):\n"
+                               "    print('locked', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    from hf_fedtask.core.files import folder_lock
+    from hf_fedtask.errors import OutputDirError
+
+    with pytest.raises(OutputDirError, match=f"in use by pid {holder.pid}"):
+        with folder_lock(folder):
+            pass
+    holder.kill()  # SIGKILL: no cleanup runs in the holder
+    holder.wait()
+    with folder_lock(folder):
+        pass
 
 
 def test_output_dir_that_is_a_file_or_cannot_be_made_is_one_line(tiny_config, tmp_path, capsys):
