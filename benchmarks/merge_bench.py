@@ -7,12 +7,27 @@ here works elementwise on flattened tensors (peft's `ties` included). Weights w_
 1, as FedAvg-style weights would not be), density 0.2, majority sign "total", per-tensor trimming.
 
 Methods, each called on the same inputs:
-  floor  Σ_t τ_t as a running sum in cache-sized chunks: one read of the N·d floats, the least any
-         merge of N vectors must do
-  ties   hf_fedtask.merge.ties
-  unify  hf_fedtask.merge.unify (global-sum rescalers; bit-packed masks)
-  peft   peft.utils.merge_utils.ties once per parameter, as peft's add_weighted_adapter applies it
-         (it torch.stack-s the N tensors of the parameter, and copies the stack several times)
+  floor          Σ_t τ_t as a running sum in cache-sized chunks: one read of the N·d floats, the
+                 least any merge of N vectors must do
+  ties           hf_fedtask.merge.ties (streaming)
+  peft_ties      peft.utils.merge_utils.ties once per parameter, as peft's add_weighted_adapter
+                 applies it (it torch.stack-s the N tensors of the parameter, and copies the stack
+                 several times)
+  unify          hf_fedtask.merge.unify (streaming; global-sum rescalers; bit-packed masks)
+  stacked_unify  unify's math written plainly on stacked tensors (`stacked_unify` below: stack the
+                 N flattened vectors, elect the sign, take the largest agreeing magnitude, one bool
+                 mask per task, the rescalers). It is what unify is timed against: peft has no
+                 unify, and peft's ties does other work, so it is no yardstick for unify. Its output
+                 is checked equal to unify's (the unified vector and every mask bit for bit, the
+                 rescalers to 1e-6 relative) before any ratio is printed.
+
+Ratios, each named by what is divided by what (time = best wall time, mem = peak extra memory):
+  ties_time/floor_time, unify_time/floor_time   cost over the floor (goal ≤ 2)
+  peft_ties_time/ties_time                      speed-up of our ties over peft's ties (goal ≥ 3)
+  ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
+  stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify
+  unify_mem/stacked_unify_mem                   streaming unify's peak extra memory over stacked's
+(the issue set no goal for unify against a stacked unify: those two rows are reported without one).
 
 Time: wall clock, the best of --repeat calls. Peak extra memory: the peak resident set size during
 the call minus the resident set size just before it. tracemalloc does not see torch's allocations,
@@ -25,7 +40,7 @@ same baseline. Peaks are floored at one page, so that ratios stay finite at tiny
 Goals (the issue): ours ≤ 2× the floor, ≥ 3× faster than peft, ≤ 1/5 of peft's peak extra memory.
 
     python benchmarks/merge_bench.py                  # N=30, d=10M (≈1.2 GB of inputs)
-    python benchmarks/merge_bench.py --n 4 --d 100000 # a quick run
+    python benchmarks/merge_bench.py --quick          # N=4, d=200k, best of 2 calls each: a smoke run
 """
 
 from __future__ import annotations
@@ -47,7 +62,15 @@ from hf_fedtask.merge.streaming import chunk_len
 
 FRACTIONS = (0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-GOALS = {"ours/floor": 2.0, "peft/ours": 3.0, "ours_mem/peft_mem": 0.2}
+# ratio name -> (goal, True when the ratio must be at least the goal); None: reported without a goal
+GOALS = {
+    "ties_time/floor_time": (2.0, False),
+    "unify_time/floor_time": (2.0, False),
+    "peft_ties_time/ties_time": (3.0, True),
+    "ties_mem/peft_ties_mem": (0.2, False),
+    "stacked_unify_time/unify_time": None,
+    "unify_mem/stacked_unify_mem": None,
+}
 
 
 def make_inputs(n: int, d: int, seed: int) -> list[TaskVector]:
@@ -78,6 +101,44 @@ def floor(vectors: list[TaskVector]) -> dict[str, torch.Tensor]:
 def peft_ties(vectors: list[TaskVector], weights: list[float], density: float) -> dict[str, torch.Tensor]:
     w = torch.tensor(weights)
     return {key: peft_merge.ties([tv[key] for tv in vectors], w, density, "total") for key in vectors[0]}
+
+
+@torch.no_grad()
+def stacked_unify(vectors: list[TaskVector]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """unify's math (global-sum rescalers) written plainly on an N×d stack: (flat unified vector,
+    N×d bool masks, N rescalers). The sign sums the tasks in task order, as unify defines Σ_t τ_t,
+    so both elect the same sign bit for bit."""
+    x = torch.stack([tv.flatten() for tv in vectors])  # N×d
+    total = x[0].clone()
+    for row in x[1:]:
+        total += row
+    sign = total.sign()                                  # σ = sgn(Σ_t τ_t)
+    agree = x * sign                                     # τ_t[j]·σ[j] > 0 where task t agrees
+    magnitude = agree.amax(0).clamp(min=0)               # μ = largest agreeing magnitude
+    unified = sign * magnitude                           # τ = σ ⊙ μ
+    masks = agree > 0                                    # m_t = 1[τ_t ⊙ τ > 0]
+    num = x.abs().sum(1, dtype=torch.float64)            # Σ|τ_t|
+    den = (masks * magnitude).sum(1, dtype=torch.float64)  # Σ|m_t ⊙ τ|
+    rescalers = torch.where(den > 0, num / den, torch.zeros_like(num))
+    return unified, masks, rescalers
+
+
+def check_unify_matches_stacked(ours, reference, n: int) -> float:
+    """Raise unless unify's output equals the stacked reference's (vector and masks exactly);
+    return the largest relative rescaler difference."""
+    from hf_fedtask.merge.bitmask import unpack_bits
+
+    unified, masks, rescalers = reference
+    if not torch.equal(ours.vector.flatten(), unified):
+        raise SystemExit("unify and stacked_unify disagree on the unified vector: the comparison is void")
+    for t in range(n):
+        if not torch.equal(unpack_bits(ours.masks[t], unified.numel()).bool(), masks[t]):
+            raise SystemExit(f"unify and stacked_unify disagree on task {t}'s mask: the comparison is void")
+    got = torch.tensor(ours.rescalers, dtype=torch.float64)
+    rel = float(((got - rescalers).abs() / rescalers.abs().clamp(min=1e-300)).max())
+    if rel > 1e-6:
+        raise SystemExit(f"unify and stacked_unify rescalers differ by {rel:.3g} (relative): the comparison is void")
+    return rel
 
 
 def _release_freed_memory() -> None:
@@ -154,7 +215,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--repeat", type=int, default=2, help="calls per method; the best time and smallest peak count")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="smoke run: N=4, d=200,000, best of 2 calls per method")
     args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.d, args.repeat = 4, 200_000, 2
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -165,34 +229,44 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     runs = {
         "floor": lambda: floor(vectors),
         "ties": lambda: ties(vectors, weights, args.density),
+        "peft_ties": lambda: peft_ties(vectors, weights, args.density),
         "unify": lambda: unify(vectors),
-        "peft": lambda: peft_ties(vectors, weights, args.density),
+        "stacked_unify": lambda: stacked_unify(vectors),
     }
     results, outputs = {}, {}
     for name, fn in runs.items():
         seconds, mem, outputs[name] = measure(fn, args.repeat)
         results[name] = (seconds, mem)
-    diff = max(float((outputs["ties"][k] - outputs["peft"][k]).abs().max()) for k in vectors[0])
+    ties_diff = max(float((outputs["ties"][k] - outputs["peft_ties"][k]).abs().max()) for k in vectors[0])
+    rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
     outputs.clear()
 
-    print(f"\n{'method':<8}{'time s':>10}{'peak extra MiB':>16}")
+    print(f"\n{'method':<15}{'time s':>10}{'peak extra MiB':>16}")
     for name, (seconds, mem) in results.items():
-        print(f"{name:<8}{seconds:>10.3f}{mem / 2**20:>16.1f}")
-    print(f"max |ties - peft ties| = {diff:.3g}")
+        print(f"{name:<15}{seconds:>10.3f}{mem / 2**20:>16.1f}")
+    print(f"max |ties - peft_ties| = {ties_diff:.3g}")
+    print(f"unify == stacked_unify: unified vector and all {args.n} masks identical, "
+          f"max relative rescaler difference {rescaler_diff:.3g}")
 
-    (t_floor, _), (t_peft, m_peft) = results["floor"], results["peft"]
-    ratios = {}
-    for ours in ("ties", "unify"):
-        t, m = results[ours]
-        ratios[f"{ours}/floor"] = t / t_floor
-        ratios[f"peft/{ours}"] = t_peft / t
-        ratios[f"{ours}_mem/peft_mem"] = m / m_peft
-    print(f"\n{'ratio':<22}{'value':>8}  goal")
+    time_of = {name: seconds for name, (seconds, _) in results.items()}
+    mem_of = {name: mem for name, (_, mem) in results.items()}
+    ratios = {
+        "ties_time/floor_time": time_of["ties"] / time_of["floor"],
+        "unify_time/floor_time": time_of["unify"] / time_of["floor"],
+        "peft_ties_time/ties_time": time_of["peft_ties"] / time_of["ties"],
+        "ties_mem/peft_ties_mem": mem_of["ties"] / mem_of["peft_ties"],
+        "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],
+        "unify_mem/stacked_unify_mem": mem_of["unify"] / mem_of["stacked_unify"],
+    }
+    print(f"\n{'':<6}{'ratio':<31}{'value':>8}  goal")
     for name, value in ratios.items():
-        kind = name.replace("ties", "ours").replace("unify", "ours")
-        goal = GOALS[kind]
-        ok = value <= goal if kind != "peft/ours" else value >= goal
-        print(f"{name:<22}{value:>8.3f}  {'≥' if kind == 'peft/ours' else '≤'} {goal:g} {'met' if ok else 'NOT met'}")
+        if GOALS[name] is None:
+            verdict = "(no goal)"
+        else:
+            goal, at_least = GOALS[name]
+            ok = value >= goal if at_least else value <= goal
+            verdict = f"{'≥' if at_least else '≤'} {goal:g} {'met' if ok else 'NOT met'}"
+        print(f"{'RATIO':<6}{name:<31}{value:>8.3f}  {verdict}")
     return ratios
 
 

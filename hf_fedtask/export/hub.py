@@ -224,7 +224,13 @@ def push_to_hub(
             revision=revision,
             commit_message=commit_message or "Upload PEFT adapter with hf_fedtask",
         )
-    except (httpx2.HTTPError, HfHubHTTPError, OfflineModeIsEnabled, OSError, ValueError) as err:
-        cause = " ".join(str(err).split()) or "no details"
-        raise HubError(f"push of {path} to {repo_id!r} at {endpoint} failed: {type(err).__name__}: {cause}") from err
+    except (httpx2.HTTPError, HfHubHTTPError, OfflineModeIsEnabled, OSError, ValueError, RuntimeError) as err:
+        # huggingface_hub wraps a failed LFS upload as RuntimeError("Error while uploading '<file>' to the
+        # Hub.") raised from the HTTP error: name that error, and let any other RuntimeError through
+        inner = err.__cause__ if isinstance(err, RuntimeError) else err
+        if not isinstance(inner, (httpx2.HTTPError, HfHubHTTPError, OSError, ValueError)):
+            raise
+        cause = " ".join(str(inner).split()) or "no details"
+        where = f"{' '.join(str(err).split())} " if inner is not err else ""
+        raise HubError(f"push of {path} to {repo_id!r} at {endpoint} failed: {where}{type(inner).__name__}: {cause}") from err
     return commit.commit_url
