@@ -20,20 +20,23 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
-from datasets import Dataset
 
-from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import check_fields
 from hf_fedtask.core.state import SHARED, ClientStore, GlobalState, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.data.task import Task
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
-from hf_fedtask.model.host import PeftHost
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from hf_fedtask.client.trainer import LocalTrainer
+    from hf_fedtask.data.task import Task
+    from hf_fedtask.model.host import PeftHost
 
 __all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", "ClientStore", "GlobalState",
            "Strategy", "StrategyConfig", "average_heads", "build_strategy", "head_name", "register_strategy",

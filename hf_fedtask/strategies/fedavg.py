@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hf_fedtask.client.objectives import ProximalTerm
-from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -35,6 +35,9 @@ from hf_fedtask.strategies.base import (
     register_strategy,
     updates_by_task,
 )
+
+if TYPE_CHECKING:
+    from hf_fedtask.client.trainer import LocalTrainer
 
 TASK_VECTOR = "task_vector/"
 

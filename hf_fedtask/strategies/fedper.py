@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -31,6 +31,9 @@ from hf_fedtask.strategies.base import (
     register_strategy,
 )
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
+
+if TYPE_CHECKING:
+    from hf_fedtask.client.trainer import LocalTrainer
 
 PERSONAL = "personal"
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -57,6 +56,8 @@ from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
     from datasets import Dataset
+
+    from hf_fedtask.client.trainer import LocalTrainer
 
 SHARE_MODES = ("none", "half", "all")
 MODULE = "module/"

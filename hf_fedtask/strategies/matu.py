@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -47,6 +47,9 @@ from hf_fedtask.strategies.base import (
     register_strategy,
     updates_by_task,
 )
+
+if TYPE_CHECKING:
+    from hf_fedtask.client.trainer import LocalTrainer
 
 WIRE = "matu"
 EXPORTED = "export"
