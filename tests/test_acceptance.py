@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, DEFAULT_WEIGHTS_SHA256, embedded_default_path, file_sha256
 from hf_fedtask.cli import main
+from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, DEFAULT_WEIGHTS_SHA256, embedded_default_path, file_sha256
 
 MARGIN = 0.05  # accuracy must beat chance by at least 5 points on every task
 

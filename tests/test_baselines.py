@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine import run as federation
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
 from hf_fedtask.strategies.fedper import PERSONAL, last_block_keys
 from hf_fedtask.strategies.matfl import model_name
-from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.core.wire import ClientUpdate
 
 
 def test_last_block_keys_picks_the_highest_numbered_blocks():

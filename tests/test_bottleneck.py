@@ -190,9 +190,9 @@ def test_state_dict_round_trip_into_a_second_model_with_adapter_name_free_keys()
 
 @pytest.mark.parametrize("modality", ["text", "image"])
 def test_project_host_swaps_bottleneck_states(modality, tiny_bert_dir, tiny_vit_dir):
+    from hf_fedtask.core.taskvector import TaskVector
     from hf_fedtask.model.backbone import resolve_base_model
     from hf_fedtask.model.host import PeftHost
-    from hf_fedtask.core.taskvector import TaskVector
 
     host = PeftHost(resolve_base_model(tiny_bert_dir if modality == "text" else tiny_vit_dir),
                     make_peft_config("bottleneck", r=4, modality=modality))

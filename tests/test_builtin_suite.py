@@ -9,8 +9,16 @@ import pytest
 from datasets import ClassLabel, Value, load_from_disk
 from huggingface_hub import DatasetCard
 
-from hf_fedtask.data import BUILTIN_TASKS, SUITE_VERSION, SUITES, export_suite, load_builtin_task, load_suite, task_card
-from hf_fedtask.data import builtin
+from hf_fedtask.data import (
+    BUILTIN_TASKS,
+    SUITE_VERSION,
+    SUITES,
+    builtin,
+    export_suite,
+    load_builtin_task,
+    load_suite,
+    task_card,
+)
 from hf_fedtask.errors import DataError
 
 

@@ -8,17 +8,17 @@ import safetensors
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
 from hf_fedtask.export import compact
-from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+from hf_fedtask.export.adapter import save_adapter
 from hf_fedtask.export.compact import (
     load_task_adapter,
     save_compact,
     storage_report,
     task_state,
 )
-from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
-from hf_fedtask.export.adapter import save_adapter
-from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.model.backbone import load_classifier, resolve_base_model
 
 BASE_ID = "hf-fedtask-tests/tiny-bert"
 BATCH = {"input_ids": torch.randint(1, 1000, (4, 8), generator=torch.Generator().manual_seed(1)),

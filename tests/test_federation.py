@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_fedtask.engine import run as federation
 from hf_fedtask.cli import main
 from hf_fedtask.config import RunConfig
+from hf_fedtask.engine import run as federation
 from hf_fedtask.errors import OutputDirError, TaskVectorError
 from hf_fedtask.strategies import FedAvg
 

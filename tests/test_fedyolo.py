@@ -5,25 +5,22 @@ Tiny BERT (L = 2 blocks) and tiny tasks; no network."""
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_fedtask.engine import run as federation
 from hf_fedtask.core.checkpoint import load_checkpoint
-from hf_fedtask.errors import ConfigError, TaskVectorError
-from hf_fedtask.workflows.personalize import forgetting_ratio, local_only, personalize
-from hf_fedtask.core.secagg import SecAggServer, encode_fixed_point
-from hf_fedtask.core.secagg import SecAggClient
-from hf_fedtask.core.taskvector import make_metadata
+from hf_fedtask.core.secagg import SecAggClient, SecAggServer, encode_fixed_point
+from hf_fedtask.core.taskvector import TaskVector, make_metadata
+from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.engine import run as federation
 from hf_fedtask.engine.secure import SecureAggregation
+from hf_fedtask.errors import ConfigError, TaskVectorError
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED
 from hf_fedtask.strategies.fedyolo import COUNTS, MODULE, adapter_name, block_index, shared_module_keys
-from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.workflows.personalize import forgetting_ratio, local_only, personalize
 
 TASKS = ("colors", "moods")
 

@@ -1,14 +1,13 @@
-"""The Flower engine: the real ServerApp and ClientApp, driven through an in-process Grid (default
-suite, no Ray, no sockets) and through real SuperLink/SuperNode processes (`-m slow`), must give the
-in-process engine's run: the same final checkpoint tensor for tensor and the same bytes on the wire
-every round."""
+"""The Flower engine: the real ServerApp and ClientApp, driven through the in-process Grid of
+`hf_fedtask.engine.flower.local` (default suite, no Ray, no sockets) and through real SuperLink and
+SuperNode processes (`-m slow`), must give the in-process engine's run: the same final checkpoint
+tensor for tensor and the same bytes on the wire every round."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import signal
 import socket
 import struct
@@ -16,7 +15,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import ClassVar
 
@@ -27,14 +25,6 @@ import torch
 pytest.importorskip("flwr")
 
 from conftest import TINY_MODEL_ID
-from flwr.app import Context, Error, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.common.serde import context_from_proto, context_to_proto
-from flwr.serverapp import Grid
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, CLIENT_PREFIX
@@ -42,8 +32,9 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.flower import app as flower_app
 from hf_fedtask.engine.flower.launch import launch
+from hf_fedtask.engine.flower.local import InProcessGrid, local_grid_engine, run_server_app
 from hf_fedtask.engine.flower.manifest import manifest
-from hf_fedtask.engine.flower.node import SECAGG_SECRET, SECRETS, load_store
+from hf_fedtask.engine.flower.node import SECAGG_SECRET, SECRETS
 from hf_fedtask.engine.flower.settings import AppSettings
 from hf_fedtask.engine.run import METRICS_FILE, PAYLOADS_DIR, run
 from hf_fedtask.errors import ConfigError, FedTaskError
@@ -52,97 +43,12 @@ REPO = Path(__file__).resolve().parents[1]
 APP_DIR = REPO / "flower-app"
 
 
-# -- an in-process Grid -------------------------------------------------------------------------------
-class InProcessGrid(Grid):
-    """A Grid test double: every node is a `Context` in this process and a message is handed to `app`
-    at once. Messages and node states go through Flower's own serialization on the way (as between
-    processes), replies come back in reverse order, and an exception in the app becomes an error
-    reply with the node state left unchanged, as Flower's SuperNode runtime does.
-
-    `partition_ids`: each node's `partition-id` (default 0..N-1); `silent`: partition ids whose
-    replies to train messages are lost."""
-
-    def __init__(self, app: Callable[[Message, Context], Message], run_config: dict, num_nodes: int, *,
-                 partition_ids: list | None = None, silent: Iterable[int] = (), run_id: int = 4242):
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 1
-        self.app = app
-        self._run = Run.create_empty(run_id)
-        self.silent = set(silent)
-        self.rng = random.Random(0)
-        ids = partition_ids if partition_ids is not None else list(range(num_nodes))
-        self.contexts: dict[int, bytes] = {}
-        for pid in ids:
-            node = self.rng.getrandbits(63)
-            context = Context(run_id, node, {"partition-id": pid, "num-partitions": num_nodes}, RecordDict(),
-                              dict(run_config))
-            self.contexts[node] = context_to_proto(context).SerializeToString()
-        self.message_types: list[str] = []
-        self._replies: dict[str, Message] = {}
-
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def context(self, node: int) -> Context:
-        from flwr.proto.message_pb2 import Context as ProtoContext
-
-        proto = ProtoContext()
-        proto.ParseFromString(self.contexts[node])
-        return context_from_proto(proto)
-
-    def push_messages(self, messages: Iterable[Message]) -> list[str]:
-        ids = []
-        for message in messages:
-            message = _over_the_wire(message)
-            message.metadata.__dict__["_message_id"] = message.object_id  # as Flower's grids name messages
-            self.message_types.append(message.metadata.message_type)
-            node = message.metadata.dst_node_id
-            context = self.context(node)
-            try:
-                reply = self.app(message, context)
-                self.contexts[node] = context_to_proto(context).SerializeToString()
-            except Exception as e:  # noqa: BLE001  (Flower's runtime turns it into an error reply)
-                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(e)}:<'{e}'>"), reply_to=message)
-            ids.append(message.metadata.message_id)
-            lost = message.metadata.message_type == "train" and context.node_config["partition-id"] in self.silent
-            if not lost:
-                self._replies[message.metadata.message_id] = _over_the_wire(reply)
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
-        replies = [self._replies.pop(i) for i in message_ids if i in self._replies]
-        return replies[::-1]  # not in the order sent: replies must be matched by their sender
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        return self.pull_messages(self.push_messages(messages))
-
-    def stores(self) -> dict[int, dict]:
-        """Every node's client store, by partition id."""
-        return {c.node_config["partition-id"]: load_store(c) for c in map(self.context, self.contexts)}
-
-
-def _over_the_wire(message: Message) -> Message:
-    """`message` deflated into Flower's wire objects and inflated again."""
-    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
-    copy = inflate_object_from_contents(message.object_id, contents)
-    copy.metadata.__dict__.update({k: v for k, v in message.metadata.__dict__.items()})
-    return copy
-
-
+# -- the in-process Grid (hf_fedtask.engine.flower.local) ---------------------------------------------
 def drive(config: RunConfig, num_nodes: int | None = None, **grid_options) -> InProcessGrid:
     """Run `config` with the real ServerApp and ClientApp over an InProcessGrid; the grid afterwards."""
     run_config = AppSettings.for_run(config, wait=0.0).to_run_config()
     grid = InProcessGrid(flower_app.client_app, run_config, num_nodes or config.num_clients, **grid_options)
-    flower_app.server_app(grid, Context(4242, SUPERLINK_NODE_ID, {}, RecordDict(), run_config))
+    run_server_app(grid, flower_app.server_app)
     return grid
 
 
@@ -230,6 +136,15 @@ def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny
     kinds = set(grid.message_types)
     assert "query.discover" in kinds and "train" in kinds
     assert ("evaluate" in kinds) == (strategy == "fedper")
+
+
+def test_run_through_the_local_grid_engine_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path,
+                                                                     reference_run):
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", rounds=1)
+    engine = local_grid_engine()
+    run(config, engine=engine)
+    assert_same_run(reference_run(config), tmp_path / "flower", engine.grid.stores())
+    assert engine.grid.message_types.count("query.discover") == 4
 
 
 def test_secure_aggregation_over_flower_gives_the_same_sum(tiny_bert_dir, tiny_tasks_dir, tmp_path, reference_run):

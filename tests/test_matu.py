@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine import run as federation
 from hf_fedtask.merge.bitmask import unpack_bits
 from hf_fedtask.strategies import build_strategy
@@ -21,8 +23,6 @@ from hf_fedtask.strategies.matu import (
     encode_wire,
     task_vector_name,
 )
-from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.core.wire import ClientUpdate
 
 SHAPES = {"a.lora_A.weight": (4, 6), "a.lora_B.weight": (6, 4), "b.lora_A.weight": (3, 5)}
 HEAD = {"classifier.modules_to_save.default.weight": (2, 4), "classifier.modules_to_save.default.bias": (2,)}

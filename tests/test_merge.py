@@ -5,6 +5,7 @@ import pytest
 import torch
 from peft.utils import merge_utils as peft_merge
 
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import (
     agreement_mask,
     magnitude_prune,
@@ -14,7 +15,6 @@ from hf_fedtask.merge import (
     unify,
     weighted_average,
 )
-from hf_fedtask.core.taskvector import TaskVector
 
 
 def _vectors(n, seed=0):

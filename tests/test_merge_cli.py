@@ -9,10 +9,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 
 from hf_fedtask import merge
-from hf_fedtask.model.backbone import load_classifier, resolve_base_model
 from hf_fedtask.cli import main
-from hf_fedtask.export.compact import load_task_adapter, storage_report, task_state
 from hf_fedtask.core.taskvector import TaskVector, make_metadata, peft_config_hash
+from hf_fedtask.export.compact import load_task_adapter, storage_report, task_state
+from hf_fedtask.model.backbone import load_classifier, resolve_base_model
 
 BATCH = {"input_ids": torch.randint(1, 1000, (4, 8), generator=torch.Generator().manual_seed(1)),
          "attention_mask": torch.ones(4, 8, dtype=torch.long)}

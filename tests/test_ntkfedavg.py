@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from hf_fedtask.engine import run as federation
 from hf_fedtask.cli import main
-from hf_fedtask.errors import ConfigError
 from hf_fedtask.client.evaluation import evaluate
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.engine import run as federation
+from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, head_name
@@ -22,9 +24,7 @@ from hf_fedtask.strategies.fedavg import (
     task_vector_name,
 )
 from hf_fedtask.strategies.ntkfedavg import POINT
-from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.workflows.unlearn import negate_task, unlearn
-from hf_fedtask.core.wire import ClientUpdate
 
 
 def tv(*values):

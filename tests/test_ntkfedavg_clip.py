@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fedtask.engine import run as federation
 from hf_fedtask.config import RunConfig
+from hf_fedtask.engine import run as federation
 from hf_fedtask.export.linearized import load_linearized
 
 PRESETS = Path(__file__).resolve().parents[1] / "recipes" / "presets"

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from hf_fedtask.core import secagg
-from hf_fedtask.errors import FedTaskError
 from hf_fedtask.core.secagg import (
     DEFAULT_SCALE,
     SecAggClient,
@@ -17,6 +16,7 @@ from hf_fedtask.core.secagg import (
     secure_sum,
 )
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.errors import FedTaskError
 
 SHAPES = {"lora_A.weight": (4, 16), "lora_B.weight": (16, 4), "bias": (7,), "scalar": ()}
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from hf_fedtask.strategies import FedAvg, FedProx, GlobalState, build_strategy, head_name
-from hf_fedtask.errors import ConfigError
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.strategies import FedAvg, FedProx, GlobalState, build_strategy, head_name
 
 
 def _tv(**tensors):

@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from hf_fedtask.core import taskvector
-from hf_fedtask.errors import TaskVectorError
 from hf_fedtask.core.taskvector import TaskVector, inspect_file, make_metadata, peft_config_hash, validate
+from hf_fedtask.errors import TaskVectorError
 
 
 def lora_config(**overrides):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hf_fedtask.errors import TaskVectorError
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.errors import TaskVectorError
 
 HEADER = {"base_model": "org/base", "base_model_revision": "sha256:abc", "peft_config_hash": "0123456789abcdef"}
 

@@ -11,9 +11,9 @@ from conftest import TINY_VIT_ID
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from safetensors.torch import load_file
 
-from hf_fedtask.engine import run as federation
 from hf_fedtask.config import RunConfig
 from hf_fedtask.data import load_task
+from hf_fedtask.engine import run as federation
 from hf_fedtask.errors import ConfigError, DataError
 
 PRESETS = Path(__file__).resolve().parent.parent / "recipes" / "presets"

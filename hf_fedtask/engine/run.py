@@ -5,6 +5,8 @@ every round, and finish with results, plots and exports.
     run(config)                                  # in-process: every client here, one host model
     run(config, engine=grid_engine(grid))        # the same loop, clients in Flower SuperNodes
                                                  # (hf_fedtask.engine.flower.grid_engine)
+    run(config, engine=local_grid_engine())      # ... or behind Flower messages in this process
+                                                 # (hf_fedtask.engine.flower.local_grid_engine)
 """
 
 from __future__ import annotations
