@@ -27,6 +27,20 @@ TINY_MODEL_ID = "hf-fedtask-tests/tiny-bert"
 TINY_VIT_ID = "hf-fedtask-tests/tiny-vit"
 
 
+class Crash(Exception):
+    """Raised by `crash_after`: a run killed between rounds."""
+
+
+def crash_after(round_: int):
+    """A round callback that kills the run after round `round_` (resume tests)."""
+
+    def callback(ctx):
+        if ctx.round == round_:
+            raise Crash
+
+    return callback
+
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory):
     """A random 2-layer BERT (hidden 32) saved with the real MiniLM tokenizer files."""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import Crash, crash_after
 from safetensors.torch import load_file
 
 import hf_fedtask
@@ -46,28 +47,6 @@ from hf_fedtask.strategies.base import SHARED
 from hf_fedtask.workflows.unlearn import unlearn
 
 PACKAGE = Path(hf_fedtask.__file__).parent
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared box, tiny matmuls are ~4x slower with two threads that
-    wait on each other; results are compared only within this module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_after(round_):
-    def callback(ctx):
-        if ctx.round == round_:
-            raise Crash
-
-    return callback
 
 
 def _config(tiny_bert_dir, tiny_tasks_dir, output_dir, **overrides) -> RunConfig:
@@ -217,7 +196,7 @@ def test_query_round_then_training_changes_the_layout_and_resumes_exactly(query_
     run(straight)
     killed = dataclasses.replace(straight, output_dir=str(tmp_path / "killed"))
     with pytest.raises(Crash):
-        run(killed, callbacks=[_crash_after(2)])
+        run(killed, callbacks=[crash_after(2)])
     run(killed, resume=True)
 
     a, b = (load_file(Path(c.output_dir) / CHECKPOINT_FILE) for c in (straight, killed))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Crash, crash_after
 from safetensors.torch import load_file
 
 from hf_fedtask.cli import main
@@ -12,18 +13,6 @@ from hf_fedtask.config import RunConfig
 from hf_fedtask.engine import run as federation
 from hf_fedtask.errors import OutputDirError, TaskVectorError
 from hf_fedtask.strategies import FedAvg
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_after(round_):
-    def callback(ctx):
-        if ctx.round == round_:
-            raise Crash
-
-    return callback
 
 
 def test_run_writes_metrics_results_checkpoint_and_peft_adapters(tiny_config):
@@ -88,7 +77,7 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tiny_config, tm
     straight = RunConfig(**{**tiny_config.to_dict(), "output_dir": str(tmp_path / "straight")})
     federation.run(straight)
     with pytest.raises(Crash):
-        federation.run(tiny_config, callbacks=[_crash_after(2)])
+        federation.run(tiny_config, callbacks=[crash_after(2)])
     assert len((Path(tiny_config.output_dir) / "metrics.jsonl").read_text().splitlines()) == 2
     federation.run(tiny_config, resume=True)
     a = load_file(Path(straight.output_dir) / "checkpoint.safetensors")

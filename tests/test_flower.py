@@ -8,13 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import socket
 import struct
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import ClassVar
 
@@ -242,54 +238,9 @@ def test_the_app_folder_is_the_manifest_and_builds_a_fab_without_code():
 
 
 # -- slow: real SuperLink and SuperNode processes ------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Processes:
-    """Processes started in their own process groups, stopped by PID (SIGTERM to each group)."""
-
-    def __init__(self, env: dict, logs: Path):
-        self.env, self.logs, self.procs = env, logs, []
-        logs.mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        exe = str(Path(sys.executable).with_name(args[0]))
-        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen([exe, *args[1:]], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=self.logs)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def tail(self) -> str:
-        logs = sorted(self.logs.glob("*.log"))
-        return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in logs)
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the SuperLink exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"no SuperLink on port {port} after {seconds} s")
+# process management (own process groups, stopped by PID) is the package's, as the benchmarks use it
+from hf_fedtask.engine.flower.loopback import LoopbackFederation  # noqa: E402
+from hf_fedtask.engine.flower.loopback import free_port as _free_port  # noqa: E402
 
 
 @pytest.fixture
@@ -312,71 +263,33 @@ def _connection(home: Path, port: int) -> str:
 
 
 @pytest.mark.slow
-def test_loopback_deployment_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home,
-                                                       reference_run):
-    home, env = flower_home
+def test_loopback_deployment_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, reference_run):
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", num_clients=3)
-    port = _free_port()
-    procs = Processes(env, tmp_path / "logs")
-    try:
-        link = procs.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                           "--disable-runtime-dependency-installation")
-        _wait_healthy(port, link)
-        for i in range(3):
-            procs.start(f"supernode-{i}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
-                        "--port", str(_free_port()), "--node-config", f"partition-id={i} num-partitions=3")
+    with LoopbackFederation(tmp_path / "federation", 3) as federation:  # SuperLink + 3 SuperNode processes
         start = time.monotonic()
-        launch(config, _connection(home, port), app_dir=APP_DIR, wait=120.0, flwr_home=home, echo=None)
+        federation.launch(config, app_dir=APP_DIR, wait=120.0)
         print(f"loopback deployment run: {time.monotonic() - start:.1f} s")
-    except BaseException:
-        print(procs.tail())
-        raise
-    finally:
-        procs.stop()
     assert_same_run(reference_run(config), tmp_path / "flower")
 
 
 @pytest.mark.slow
-def test_ray_simulation_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home, reference_run):
-    home, env = flower_home
+def test_ray_simulation_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, reference_run):
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedavg", num_clients=3)
-    port = _free_port()
-    procs = Processes(env, tmp_path / "logs")
-    try:
-        link = procs.start("superlink", "flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
-                           "--port", str(port), "--disable-runtime-dependency-installation")
-        _wait_healthy(port, link)
+    with LoopbackFederation(tmp_path / "federation", 3, simulation=True) as federation:
         start = time.monotonic()
-        launch(config, _connection(home, port), wait=120.0, flwr_home=home, echo=None,
-               federation_config={"num-supernodes": 3})
+        federation.launch(config, wait=120.0)
         print(f"Ray simulation run: {time.monotonic() - start:.1f} s")
-    except BaseException:
-        print(procs.tail())
-        raise
-    finally:
-        procs.stop()
     assert_same_run(reference_run(config), tmp_path / "flower")
 
 
 @pytest.mark.slow
-def test_a_failed_flower_run_is_a_fedtask_error(tiny_bert_dir, tiny_tasks_dir, tmp_path, flower_home):
+def test_a_failed_flower_run_is_a_fedtask_error(tiny_bert_dir, tiny_tasks_dir, tmp_path):
     """`flwr run --stream` exits 0 when the ServerApp raised; the launcher reads the status instead."""
-    home, env = flower_home
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", num_clients=3)
-    port = _free_port()
-    procs = Processes(env, tmp_path / "logs")
-    try:
-        link = procs.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                           "--disable-runtime-dependency-installation")
-        _wait_healthy(port, link)
-        for i in range(2):  # one SuperNode short
-            procs.start(f"supernode-{i}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
-                        "--port", str(_free_port()), "--node-config", f"partition-id={i} num-partitions=3")
+    with LoopbackFederation(tmp_path / "federation", 2, num_partitions=3) as federation:  # one SuperNode short
         with pytest.raises(FedTaskError, match=r"Flower run \d+ on 'loopback' ended finished:failed \(ServerApp "
                                                 r"failed with exception: the federation has 2 nodes .* 3 clients"):
-            launch(config, _connection(home, port), app_dir=APP_DIR, wait=5.0, flwr_home=home, echo=None)
-    finally:
-        procs.stop()
+            federation.launch(config, app_dir=APP_DIR, wait=5.0)
     assert not (tmp_path / "flower").exists()
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Crash, crash_after
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -44,28 +45,6 @@ VARIANTS = [(name, name, {}, {}) for name in sorted(STRATEGIES)] + [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared box, tiny matmuls are ~4x slower with two threads that
-    wait on each other; results are compared only within this module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_after(round_):
-    def callback(ctx):
-        if ctx.round == round_:
-            raise Crash
-
-    return callback
-
-
 def _config(tiny_bert_dir, tiny_tasks_dir, output_dir, strategy, options, overrides) -> RunConfig:
     return RunConfig(strategy=strategy, strategy_options=dict(options), suite=None, tasks=list(tiny_tasks_dir),
                      base_model=tiny_bert_dir, base_model_id="hf-fedtask-tests/tiny-bert", num_clients=4, rounds=2,
@@ -89,7 +68,7 @@ def runs(request, tiny_bert_dir, tiny_tasks_dir, tmp_path_factory) -> Runs:
     run(config)
     killed = dataclasses.replace(config, output_dir=str(base / "resumed"))
     with pytest.raises(Crash):
-        run(killed, callbacks=[_crash_after(1)])
+        run(killed, callbacks=[crash_after(1)])
     (base / "round1").mkdir()
     shutil.copy(base / "resumed" / CHECKPOINT_FILE, base / "round1" / CHECKPOINT_FILE)
     run(killed, resume=True)
