@@ -103,3 +103,27 @@ def test_flower_app_writes_the_manifest_and_a_bad_connection_is_one_line(tmp_pat
     assert not (tmp_path / "run").exists()
     assert main(["flower", "run", "--connection", "x", "--strategy", "fedavg", "--kappa", "2"]) == 2
     assert "'fedavg' does not support option 'kappa'" in capsys.readouterr().err
+
+
+def test_export_of_a_finished_run_whose_datasets_are_gone(tiny_config, tiny_tasks_dir, tmp_path):
+    """`hf-fedtask export RUN` needs the run folder and the base model only."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from hf_fedtask.engine.run import run
+
+    data = tmp_path / "data"
+    tiny_config.tasks = [shutil.copytree(p, data / Path(p).name) for p in tiny_tasks_dir]
+    tiny_config.tasks = [str(p) for p in tiny_config.tasks]
+    tiny_config.strategy = "matu"
+    run(tiny_config)
+    out = Path(tiny_config.output_dir)
+    before = {p.relative_to(out): load_file(p) for p in out.rglob("adapter_model.safetensors")}
+    shutil.rmtree(out / "adapters")
+    shutil.rmtree(data)
+    assert main(["export", str(out)]) == 0
+    after = {p.relative_to(out): load_file(p) for p in out.rglob("adapter_model.safetensors")}
+    assert after.keys() == before.keys() and len(after) >= 2
+    for name, tensors in before.items():
+        assert tensors.keys() == after[name].keys() and all((tensors[k] == after[name][k]).all() for k in tensors)

@@ -52,3 +52,20 @@ class Task:
         """Accuracy of always predicting the most frequent test label."""
         labels = self.dataset["test"][self.label_column]
         return max(labels.count(c) for c in set(labels)) / len(labels)
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What a task is without its data (names, labels, metric): enough to lay out, export and card a
+    finished run whose datasets are gone. `Task.info()` gives one; results.json records them."""
+
+    name: str
+    label_names: tuple[str, ...]
+    metric: str = "accuracy"
+    modality: str = "text"
+    chance: float | None = None
+    group: str | None = None
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)

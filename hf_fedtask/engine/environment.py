@@ -18,7 +18,7 @@ from hf_fedtask.config import RunConfig
 from hf_fedtask.core.state import SHARED, GlobalState, head_name
 from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 from hf_fedtask.data import build_federation, load_suite, load_task
-from hf_fedtask.data.task import Task
+from hf_fedtask.data.task import Task, TaskInfo
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, input_kind, resolve_base_model
 from hf_fedtask.model.host import PeftHost
@@ -86,11 +86,13 @@ def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
 class Environment:
     """The run's parts in this process, each built on first use from `config`."""
 
-    def __init__(self, config: RunConfig, strategy: Strategy | None = None):
+    def __init__(self, config: RunConfig, strategy: Strategy | None = None, tasks: list[TaskInfo] | None = None):
         self.config = config
         self.strategy = strategy or build_strategy(config.strategy, config.strategy_options)
         self._client_data: dict[int, dict[str, Dataset]] = {}
         self._test_data: dict[str, Dataset] = {}
+        if tasks is not None:  # a finished run's tasks without their data: nothing to train or evaluate
+            self.__dict__["tasks"] = list(tasks)
 
     @cached_property
     def tasks(self) -> list[Task]:

@@ -31,6 +31,7 @@ from hf_fedtask.core.files import (
 )
 from hf_fedtask.core.state import SHARED, ClientStore, GlobalState
 from hf_fedtask.data.reference import shipped_reference
+from hf_fedtask.data.task import TaskInfo
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
 from hf_fedtask.engine.server import Server, nonlinear_mean
@@ -235,15 +236,22 @@ class FinishedRun:
     run_dir: Path
 
 
-def open_finished_run(run_dir: str | Path) -> FinishedRun:
-    """A run folder's environment (from its saved config), final state, history and stores."""
+def open_finished_run(run_dir: str | Path, tasks: list[TaskInfo] | None = None) -> FinishedRun:
+    """A run folder's environment (from its saved config), final state, history and stores. `tasks`:
+    the run's tasks without their data (`task_infos(results)`), for work that needs no data."""
     run_dir = Path(run_dir)
     if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
         raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run (needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
     config = load_run_config(run_dir)
-    env = Environment(config)
+    env = Environment(config, tasks=tasks)
     state, history, stores = restore(env, run_dir, config.fingerprint(), allocation=checkpoint_allocation(run_dir))
     return FinishedRun(env, state, history, stores, run_dir)
+
+
+def task_infos(results: dict, modality: str) -> list[TaskInfo]:
+    """The tasks a results.json describes (label names, metric, chance, group), without their data."""
+    return [TaskInfo(name, tuple(r["label_names"]), r["metric"], modality, r.get("chance"), r.get("group"))
+            for name, r in results["tasks"].items()]
 
 
 def summarize_results(env: Environment, state: GlobalState, history: list[dict], transport: Transport | None = None,

@@ -1,5 +1,5 @@
-"""Re-export a finished run from its folder alone: the checkpoint, the saved config and the base
-model; no client data is partitioned or tokenized."""
+"""Re-export a finished run from its folder alone: the checkpoint, the saved config, results.json and
+the base model; the run's datasets are not read (they need not exist any more)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 from hf_fedtask.core.files import folder_lock
-from hf_fedtask.engine.run import RESULTS_FILE, open_finished_run, run_export
+from hf_fedtask.engine.run import RESULTS_FILE, load_run_config, open_finished_run, run_export, task_infos
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.artifacts import export_adapters
 from hf_fedtask.export.compact import storage_report
+from hf_fedtask.model.backbone import input_kind, resolve_base_model
 from hf_fedtask.report import ADAPTERS_DIR
 
 
@@ -18,11 +19,16 @@ def export_run(run_dir: str | Path) -> list[Path]:
     """Rewrite `run_dir`'s adapters (and the strategy's other exports) from its checkpoint, with the
     metrics of its results.json; returns the written folders."""
     run_dir = Path(run_dir)
-    finished = open_finished_run(run_dir)
     results_file = run_dir / RESULTS_FILE
     if not results_file.exists():
         raise ConfigError(f"{run_dir}: has no {RESULTS_FILE} (the run did not finish); resume it first")
-    results = json.loads(results_file.read_text())
+    try:
+        results = json.loads(results_file.read_text())
+        modality = input_kind(resolve_base_model(load_run_config(run_dir).base_model)).modality
+        tasks = task_infos(results, modality)  # the run's datasets need not exist any more
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{results_file}: not a readable results file ({' '.join(str(e).split())})") from None
+    finished = open_finished_run(run_dir, tasks=tasks)
     env = finished.env
     with folder_lock(run_dir):
         compact = export_adapters(run_export(env, finished.stores or None), finished.state, results, run_dir)
