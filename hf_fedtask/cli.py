@@ -59,6 +59,8 @@ def _unlearn(args) -> int:
                               "remove a client with --rounds R")
         if args.rounds is not None:
             raise ConfigError("unlearn: --rounds is for federated unlearning; --one-shot runs no rounds")
+        if args.resume:
+            raise ConfigError("unlearn: --resume continues federated unlearning; --one-shot has nothing to resume")
         results = negate_task(args.run_dir, args.task, scale=1.0 if args.scale is None else args.scale, task_vector=args.task_vector,
                               output_dir=args.output_dir, overwrite=args.overwrite)
     else:

@@ -128,6 +128,8 @@ def test_unlearn_with_a_path_for_a_task_is_one_line(tiny_config, capsys):
     _one_line_error(capsys, "../../etc")
     assert main(["unlearn", tiny_config.output_dir, "--task", "colors", "--scale", "2", "--rounds", "1"]) == 2
     _one_line_error(capsys, "--scale", "--one-shot")
+    assert main(["unlearn", tiny_config.output_dir, "--task", "colors", "--one-shot", "--resume"]) == 2
+    _one_line_error(capsys, "--resume", "--one-shot")
     assert sorted(p.name for p in parent.iterdir()) == before
 
 
