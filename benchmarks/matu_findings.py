@@ -111,7 +111,7 @@ def table(found: dict) -> str:
         lines.append(f"- a 4-task unification keeps {100 * lo:.1f}–{100 * hi:.1f}% of each task's entries")
     rounds = found["rounds"]
     check = sorted({min(6, rounds), rounds})
-    lines += ["", f"**MaTU on the multi-task setting** (ζ=0.5), by Eq. 7's combine rule and κ", "",
+    lines += ["", "**MaTU on the multi-task setting** (ζ=0.5), by Eq. 7's combine rule and κ", "",
               "| variant | " + " | ".join(f"acc % r{r} | ‖τ^t‖ r{r}" for r in check) + " | sign agreement | mask density |",
               "|---|" + "---|---|" * len(check) + "---|---|"]
     for name, rows in found["matu"].items():

@@ -28,6 +28,8 @@ from hf_fedtask.strategies import (
     strategy_class,
 )
 
+OPTIMIZERS = ("adamw_torch", "sgd")
+
 
 @dataclass
 class RunConfig:
@@ -66,6 +68,8 @@ class RunConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     gradient_accumulation_steps: int = 1
+    optimizer: str = "adamw_torch"  # adamw_torch | sgd (transformers' `optim` names)
+    max_grad_norm: float = 1.0  # gradient clipping; 0 turns it off
     # bookkeeping
     eval_batch_size: int = 128
     seed: int = 0
@@ -91,6 +95,10 @@ class RunConfig:
             raise ConfigError(f"config: participation must be in (0, 1], got {self.participation}")
         if self.zeta < 0:
             raise ConfigError(f"config: zeta must be >= 0, got {self.zeta}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"config: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"config: max_grad_norm must be >= 0, got {self.max_grad_norm}")
         typed = self.strategy_config  # validates the strategy and its options
         self.strategy_options = {k: getattr(typed, k) for k in self.strategy_options}  # as given, typed
 

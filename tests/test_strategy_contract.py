@@ -37,7 +37,9 @@ EXPORT_DIRS = {"adapters": "adapters", "compact": "compact", "multi_adapter": "m
 # (id, strategy, strategy options, RunConfig overrides): every registered strategy with its defaults,
 # plus variants whose code paths differ (several tasks per client, shared half + secure sums,
 # linearized at the pretrained point)
-VARIANTS = [(name, name, {}, {}) for name in sorted(STRATEGIES)] + [
+# settings a strategy requires of the run (it refuses the defaults)
+REQUIRED = {"scaffold": {"optimizer": "sgd"}}
+VARIANTS = [(name, name, {}, REQUIRED.get(name, {})) for name in sorted(STRATEGIES)] + [
     ("matu-zeta", "matu", {}, {"zeta": 0.5}),
     ("fedyolo-half", "fedyolo", {"share": "half"}, {}),
     ("fedyolo-half-secure", "fedyolo", {"share": "half", "secure_aggregation": True}, {}),

@@ -40,6 +40,12 @@ def evaluate(host: PeftHost, state: TaskVector, data: Dataset, metric: str = "ac
     """`{metric: value, "num_examples": n}` for prepared `data` (which has a `labels` column)."""
     if metric not in METRICS:
         raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
-    preds = predict(host, state, data, batch_size, linearize_at, linearization)
+    return score(predict(host, state, data, batch_size, linearize_at, linearization), data, metric)
+
+
+def score(preds: np.ndarray, data: Dataset, metric: str = "accuracy") -> dict:
+    """`{metric: value, "num_examples": n}` of predictions against `data`'s `labels`."""
+    if metric not in METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     labels = np.asarray(data["labels"])
     return {metric: METRICS[metric](labels, preds), "num_examples": len(labels)}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
-from transformers import PrinterCallback, Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from hf_fedtask.client.objectives import Objective
 from hf_fedtask.core.taskvector import TaskVector
@@ -31,6 +31,17 @@ class LocalTrainingArgs:
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     optim: str = "adamw_torch"
+
+
+class _LearningRateSum(TrainerCallback):
+    """Σ_k η_k over the optimizer steps taken: what SCAFFOLD's option-II control update divides
+    the local movement by (K·η_l for a constant rate, exact under a schedule)."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.total += float(optimizer.param_groups[0]["lr"])
 
 
 class _ObjectiveTrainer(Trainer):
@@ -109,6 +120,9 @@ class LocalTrainer:
             params=self.host.trainable_by_name() if objectives else None,
         )
         trainer.remove_callback(PrinterCallback)  # the simulator reports progress; no per-client prints
+        lr_sum = _LearningRateSum()
+        trainer.add_callback(lr_sum)
         out = trainer.train()
-        metrics = {"train_loss": float(out.training_loss), "train_steps": int(out.global_step), "train_samples": len(data)}
+        metrics = {"train_loss": float(out.training_loss), "train_steps": int(out.global_step), "train_samples": len(data),
+                   "lr_sum": lr_sum.total}
         return self.host.state(), metrics

@@ -17,6 +17,7 @@ from datasets import (
 )
 
 from hf_fedtask.data.builtin import BUILTIN_TASKS, load_builtin_task
+from hf_fedtask.data.images import IMAGE_TASKS
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError
 
@@ -35,7 +36,8 @@ def load_task(
     test_size: float = 0.2,
     cache_dir=None,
 ) -> Task:
-    """Resolve `ref`, in this order: builtin task name (or `builtin:<name>`); local save_to_disk folder
+    """Resolve `ref`, in this order: an image task by name (`fashion_mnist`, `digits`: see
+    `hf_fedtask.data.images`); builtin task name (or `builtin:<name>`); local save_to_disk folder
     (DatasetDict with train[/test], or a Dataset); local csv/json/jsonl/parquet file; Hub dataset id,
     optionally `repo_id:config_name` for a dataset with configs (task name `<repo name>_<config>`).
     A missing test split is made by a seeded, label-stratified `test_size` split of train. Labels that
@@ -45,6 +47,8 @@ def load_task(
     `img`, then the first), which makes an image task, else the first of TEXT_COLUMNS (a text task);
     `text_column=` names the input column of either kind. The label is the first of LABEL_COLUMNS."""
     ref = str(ref)
+    if ref in IMAGE_TASKS:
+        return IMAGE_TASKS[ref](seed, cache_dir)
     if ref.startswith("builtin:") or ref in BUILTIN_TASKS:
         return load_builtin_task(ref.removeprefix("builtin:"), seed=seed, cache_dir=cache_dir)
     path = Path(ref).expanduser()

@@ -20,7 +20,7 @@ from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 from hf_fedtask.data import build_federation, load_suite, load_task
 from hf_fedtask.data.task import Task, TaskInfo
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.model.backbone import BaseModelRef, input_kind, resolve_base_model
+from hf_fedtask.model.backbone import BaseModelRef, classifier_class, input_kind, resolve_base_model
 from hf_fedtask.model.host import PeftHost
 from hf_fedtask.model.peft_methods import make_peft_config
 from hf_fedtask.strategies import Strategy, build_strategy
@@ -57,13 +57,7 @@ def build_host(config: RunConfig) -> PeftHost:
 
 def backbone_name(base: BaseModelRef) -> str:
     """The classifier's attribute holding the pretrained trunk (`bert`, `vit`, ...), from its class."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    model_type = transformers.AutoConfig.from_pretrained(base.load_path).model_type
-    names = (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if input_kind(base).modality == "text"
-             else modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
-    return getattr(transformers, names[model_type]).base_model_prefix
+    return classifier_class(base).base_model_prefix
 
 
 def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
@@ -79,6 +73,8 @@ def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
             warmup_steps=config.warmup_steps,
             weight_decay=config.weight_decay,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
+            optim=config.optimizer,
+            max_grad_norm=config.max_grad_norm,
         ),
     )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_fedtask.client.evaluation import evaluate
+from hf_fedtask.client.evaluation import evaluate, score
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.core.state import GlobalState
 from hf_fedtask.core.taskvector import TaskVector
@@ -56,6 +56,7 @@ class Server:
         """What can be refused before anything is written: names, the model and its PEFT config, the
         tasks' inputs against the model's, the partition, the initial state, unsupported settings."""
         env = self.env
+        self.strategy.check_run(self.config)
         for t in env.tasks:
             if t.modality != env.host.inputs.modality:
                 raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
@@ -185,8 +186,12 @@ class Server:
         out = {}
         host, batch = self.env.host, self.config.eval_batch_size
         for t in self.env.tasks:
-            params = self.strategy.task_parameters(state, t.name, stores)
             data = self.env.test_data(t.name)
+            preds = self.strategy.predict(state, t.name, host, data, batch)
+            if preds is not None:  # a model of the strategy's own (e.g. TCT's stage 2)
+                out[t.name] = score(preds, data, t.metric)
+                continue
+            params = self.strategy.task_parameters(state, t.name, stores)
             point = self.strategy.linearization_point(state, t.name)
             out[t.name] = evaluate(host, params, data, t.metric, batch, linearize_at=point,
                                    linearization=self.strategy.linearization)

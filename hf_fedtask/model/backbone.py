@@ -64,12 +64,26 @@ def embedded_default_path() -> Path:
     return path
 
 
+def _small_cnn() -> Path:
+    from hf_fedtask.data.builtin import cache_root
+    from hf_fedtask.model.small_cnn import materialize
+
+    return materialize(cache_root())
+
+
+MODEL_BUILDERS = {"hf-fedtask/small-cnn": _small_cnn}
+"""Base models hf_fedtask builds itself (seeded, written to the cache once), by name."""
+
+
 def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
     """Map a user's `base_model` to files. The default Hub id resolves to the embedded copy; a local
     folder keeps its path for loading and needs `model_id` (its Hub id) for portable exports."""
     if name == DEFAULT_BASE_MODEL:
         path = embedded_default_path()
         return BaseModelRef(str(path), DEFAULT_BASE_MODEL, f"sha256:{DEFAULT_WEIGHTS_SHA256}")
+    if name in MODEL_BUILDERS:
+        path = MODEL_BUILDERS[name]()
+        return BaseModelRef(str(path), name, f"sha256:{file_sha256(path / 'model.safetensors')}")
     if os.path.isdir(name):
         weights = Path(name) / "model.safetensors"
         revision = f"sha256:{file_sha256(weights)}" if weights.exists() else "local"
@@ -176,15 +190,38 @@ INPUT_KINDS = {kind.modality: kind for kind in (TextInputs, ImageInputs)}
 def input_kind(ref: BaseModelRef) -> type[TextInputs | ImageInputs]:
     """The one modality switch: `ImageInputs` when the base config is a vision-only classifier
     architecture (ViT, DeiT, Swin, ...), else `TextInputs`."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     )
 
-    model_type = AutoConfig.from_pretrained(ref.load_path).model_type
-    vision = model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    config = base_config(ref)
+    model_type = config.model_type
+    vision = model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES or _registered_image_model(config)
     return ImageInputs if vision and model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES else TextInputs
+
+
+def base_config(ref: BaseModelRef):
+    """The base model's transformers config (architectures hf_fedtask registers are importable)."""
+    from transformers import AutoConfig
+
+    if ref.model_id in MODEL_BUILDERS:
+        import hf_fedtask.model.small_cnn  # noqa: F401  (registers the architecture with the Auto classes)
+    return AutoConfig.from_pretrained(ref.load_path)
+
+
+def _registered_image_model(config) -> bool:
+    """True for an image classifier registered with `AutoModelForImageClassification.register`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
+
+    return type(config) in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING._extra_content
+
+
+def classifier_class(ref: BaseModelRef):
+    """The `AutoModelFor...Classification` class that loads this base model."""
+    import transformers
+
+    return getattr(transformers, input_kind(ref).auto_model)._model_mapping[type(base_config(ref))]
 
 
 def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageInputs:

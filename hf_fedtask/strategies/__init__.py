@@ -27,10 +27,13 @@ from hf_fedtask.strategies.ntkfedavg import (
     NTKFedProx,
     NTKFedProxConfig,
 )
+from hf_fedtask.strategies.scaffold import Scaffold, ScaffoldConfig
+from hf_fedtask.strategies.tct import TCT, TCTConfig
 
 __all__ = [
     "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "FedAvg", "FedAvgConfig", "FedPer",
     "FedPerConfig", "FedProx", "FedProxConfig", "FedYolo", "FedYoloConfig", "GlobalState", "MaTFL", "MaTFLConfig",
-    "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig", "Strategy",
+    "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig", "Scaffold",
+    "ScaffoldConfig", "Strategy", "TCT", "TCTConfig",
     "StrategyConfig", "build_strategy", "build_strategy_config", "head_name", "register_strategy", "strategy_class",
 ]

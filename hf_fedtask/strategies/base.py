@@ -124,6 +124,10 @@ class Strategy(ABC):
     def hyperparameters(self) -> dict:
         return dataclasses.asdict(self.config)
 
+    def check_run(self, config) -> None:
+        """Refuse run settings (a `RunConfig`) this strategy cannot honour, with a ConfigError, before
+        anything is written. Everything is accepted by default."""
+
     # -- state -------------------------------------------------------------------------------------
     def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
         vectors = {SHARED: host.initial_shared()}
@@ -139,6 +143,11 @@ class Strategy(ABC):
     def task_parameters(self, state: GlobalState, task: str, stores: dict[int, ClientStore] | None = None) -> TaskVector:
         """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`."""
         return TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
+
+    def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray | None:
+        """Predictions for `task` on prepared `data` when the task's model is not the host model carrying
+        `task_parameters` (e.g. TCT's linear model over eNTK features); None: the host model's."""
+        return None
 
     def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
         """For linearized strategies: the point `task`'s model is linearized around; None = ordinary model."""

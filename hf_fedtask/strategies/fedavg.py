@@ -124,7 +124,7 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
     """One model for all of a client's tasks: train each task (in name order) starting from the
     shared modules the previous task left and the task's own head (`options(task)`: extra
     `trainer.train` arguments). Returns the final shared modules, each task's trained head, and the
-    train losses."""
+    train losses and the sum of learning rates over each task's steps (`<task>/lr_sum`)."""
     shared = downlink[SHARED]
     heads, metrics = {}, {}
     for task in job.tasks:
@@ -133,6 +133,7 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
         shared = trained.filter(lambda k: k in downlink[SHARED])
         heads[task] = trained.filter(lambda k: k not in downlink[SHARED])
         metrics[f"{task}/train_loss"] = m["train_loss"]
+        metrics[f"{task}/lr_sum"] = m.get("lr_sum", 0.0)
     return shared, heads, metrics
 
 

@@ -1,0 +1,185 @@
+"""Empirical NTK features: φ(x) = ∇_θ f(x; θ)[output] over the trainable parameters of the host
+model, one row per sample, restricted to a seeded subset of coordinates (TCT, Yu et al. 2022).
+
+Instead of TCT's official code's one backward pass per sample (`per_sample_loop`, kept as the
+reference for tests and `benchmarks/entk_bench.py`), the features of a batch come from one forward
+and one backward pass:
+
+- when every trainable parameter belongs to an `nn.Linear` or `nn.Conv2d` (LoRA, heads, a small
+  CNN trained in full), each layer's input a and output gradient g are captured and only the
+  selected coordinates are formed: ∂f/∂W[i, j] = Σ_t g[t, i]·a[t, j] (for a convolution, over the
+  unfolded patches), the per-sample-gradient trick of Opacus and BackPACK, written by hand
+  because it must never build the full per-sample gradients (n × P floats);
+- otherwise with `torch.func` (`vmap` over `grad` of a `functional_call`), which builds them.
+
+Samples are independent in eval mode (no batch statistics), so the batched backward of Σ_i f(x_i)
+gives every sample's own output gradients. Coordinates are the flat order of the trainable
+parameters in PEFT's saved naming (`host.state()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader
+
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.model.host import PeftHost
+
+
+def coordinate_subset(total: int, p: int, seed: int) -> torch.Tensor:
+    """The same `p` of `total` coordinates on every client and on the server: `randperm(total)[:p]`
+    from a seeded generator, sorted (all of them when p ≥ total)."""
+    if p >= total:
+        return torch.arange(total)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(total, generator=gen)[:p].sort().values
+
+
+def _named(host: PeftHost, model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(module path, saved name) of each trainable parameter, in saved (coordinate) order."""
+    saved = host.trainable_by_name()
+    by_ptr = {p.data_ptr(): name for name, p in model.named_parameters() if p.requires_grad}
+    order = list(host.state())
+    return [(by_ptr[saved[k].data_ptr()], k) for k in order]
+
+
+def _batches(host: PeftHost, data: Dataset, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
+    for batch in loader:
+        yield {k: v for k, v in batch.items() if k != "labels"}
+
+
+def entk_features(host: PeftHost, state: TaskVector, data: Dataset, index: torch.Tensor, *, output: int = 0,
+                  batch_size: int = 64) -> torch.Tensor:
+    """(n, len(index)) float32: row i is ∇_θ f(x_i)[output] at `state` (shared modules + head, saved
+    naming), at the coordinates `index` of the flat trainable parameters. The model is in eval mode."""
+    with host.loaded(state) as model:
+        was_training = model.training
+        model.eval()
+        names = _named(host, model)
+        live = dict(model.named_parameters())
+        sizes = [live[path].numel() for path, _ in names]
+        offsets = torch.tensor([0, *sizes]).cumsum(0)
+        owners = _layer_owners(model, [path for path, _ in names])
+        rows = []
+        try:
+            for batch in _batches(host, data, batch_size):
+                if owners is not None:
+                    rows.append(_layer_features(model, batch, owners, names, offsets, index, output))
+                else:
+                    rows.append(_gather(_vmap_gradients(model, batch, output), names, offsets, index))
+        finally:
+            model.train(was_training)
+    return torch.cat(rows) if rows else torch.zeros(0, len(index))
+
+
+def _layer_owners(model: torch.nn.Module, paths: list[str]) -> dict[str, tuple[torch.nn.Module, str]] | None:
+    """parameter path -> (its nn.Linear / nn.Conv2d, "weight" | "bias"); None if any other kind."""
+    modules = dict(model.named_modules())
+    owners = {}
+    for path in paths:
+        parent, _, kind = path.rpartition(".")
+        module = modules.get(parent)
+        plain_conv = isinstance(module, torch.nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros"
+        if not (isinstance(module, torch.nn.Linear) or plain_conv) or kind not in ("weight", "bias"):
+            return None
+        owners[path] = (module, kind)
+    return owners
+
+
+def _layer_features(model, batch, owners, names, offsets, index, output, budget: int = 1 << 22) -> torch.Tensor:
+    """One forward and one backward pass; the selected coordinates formed from inputs and output grads."""
+    layers = {id(m): m for m, _ in owners.values()}
+    inputs, outputs, calls = {}, {}, {}
+
+    def capture(module, args, out):
+        calls[id(module)] = calls.get(id(module), 0) + 1
+        inputs[id(module)], outputs[id(module)] = args[0].detach(), out
+
+    handles = [m.register_forward_hook(capture) for m in layers.values()]
+    try:
+        with torch.enable_grad():
+            logits = model(**batch).logits
+            used = [k for k in layers if k in outputs]
+            if any(c > 1 for c in calls.values()):
+                raise RuntimeError("a layer is called more than once per forward pass")
+            grads = dict(zip(used, torch.autograd.grad(logits[:, output].sum(), [outputs[k] for k in used],
+                                                       allow_unused=True)))
+    finally:
+        for h in handles:
+            h.remove()
+    n = logits.shape[0]
+    out = torch.zeros(n, len(index))
+    for i, (path, _) in enumerate(names):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        start, stop = int(torch.searchsorted(index, lo)), int(torch.searchsorted(index, hi))
+        module, kind = owners[path]
+        if stop == start or grads.get(id(module)) is None:
+            continue
+        a, g = inputs[id(module)], grads[id(module)].detach()
+        if isinstance(module, torch.nn.Conv2d):  # patches (n, C·kh·kw, L), output grads (n, O, L)
+            a = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
+            g = g.reshape(n, g.shape[1], -1)
+        else:  # any leading dims (tokens) become one: (n, T, in) and (n, T, out), summed over T
+            a, g = a.reshape(n, -1, a.shape[-1]).transpose(1, 2), g.reshape(n, -1, g.shape[-1]).transpose(1, 2)
+        chunk = max(1, budget // (n * a.shape[-1]))  # temporaries of n × chunk × L floats
+        for s in range(start, stop, chunk):
+            sel = index[s:min(s + chunk, stop)] - lo
+            if kind == "bias":
+                out[:, s:s + len(sel)] = g[:, sel, :].sum(-1)
+            else:
+                width = a.shape[1]
+                out[:, s:s + len(sel)] = (g[:, sel // width, :] * a[:, sel % width, :]).sum(-1)
+    return out
+
+
+def _vmap_gradients(model, batch, output) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's per-sample gradients (n, *shape), by `torch.func`."""
+    params = {path: p.detach() for path, p in model.named_parameters() if p.requires_grad}
+    frozen = {path: p.detach() for path, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+    keys = list(batch)
+
+    def f(p, *single):
+        inputs = {k: v.unsqueeze(0) for k, v in zip(keys, single)}
+        return functional_call(model, ({**p, **frozen}, buffers), args=(), kwargs=inputs).logits[0, output]
+
+    return vmap(grad(f), in_dims=(None, *[0] * len(keys)))(params, *[batch[k] for k in keys])
+
+
+def _gather(grads: dict[str, torch.Tensor], names: list[tuple[str, str]], offsets: torch.Tensor,
+            index: torch.Tensor) -> torch.Tensor:
+    """The columns `index` of the per-sample gradients laid flat, without building the full flat rows."""
+    batch = next(iter(grads.values())).shape[0]
+    out = torch.empty(batch, len(index))
+    for i, (path, _) in enumerate(names):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        start, stop = torch.searchsorted(index, lo), torch.searchsorted(index, hi)
+        if stop > start:
+            out[:, start:stop] = grads[path].reshape(batch, -1)[:, index[start:stop] - lo].float()
+    return out
+
+
+def per_sample_loop(host: PeftHost, state: TaskVector, data: Dataset, index: torch.Tensor, *, output: int = 0) -> torch.Tensor:
+    """The same features by one backward pass per sample (TCT's official code): the reference."""
+    with host.loaded(state) as model:
+        was_training = model.training
+        model.eval()
+        names = _named(host, model)
+        live = dict(model.named_parameters())
+        rows = []
+        try:
+            for batch in _batches(host, data, 1):
+                model.zero_grad(set_to_none=True)
+                model(**batch).logits[0, output].backward()
+                flat = torch.cat([live[path].grad.reshape(-1) for path, _ in names])
+                rows.append(flat[index].float())
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.train(was_training)
+    return torch.stack(rows) if rows else torch.zeros(0, len(index))
