@@ -7,11 +7,12 @@ import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["LinearizedModel", "load_linearized", "load_task_adapter", "negate_task", "unlearn"]
+__all__ = ["LinearizedModel", "load_linearized", "load_task_adapter", "load_tct", "negate_task", "unlearn"]
 
 _LAZY = {
     "load_task_adapter": "export.compact",
     "load_linearized": "export.linearized",
+    "load_tct": "export.tct",
     "LinearizedModel": "model.linearize",
     "unlearn": "workflows.unlearn",
     "negate_task": "workflows.unlearn",
@@ -32,10 +33,13 @@ def __getattr__(name: str):
 
 
 def _register_peft_methods() -> None:
-    try:
-        importlib.import_module(f"{__name__}.model.bottleneck")
-    except (ImportError, AttributeError, TypeError, KeyError, ValueError) as e:  # never break `import peft`
-        warnings.warn(f"hf_fedtask could not register its bottleneck PEFT method with peft: {e!r}", stacklevel=2)
+    # also the small CNN's architecture (`hf_fedtask.model.small_cnn`) with transformers' Auto classes,
+    # so that its exported adapters load with stock PeftModel.from_pretrained after `import hf_fedtask`
+    for module in ("model.bottleneck", "model.small_cnn"):
+        try:
+            importlib.import_module(f"{__name__}.{module}")
+        except (ImportError, AttributeError, TypeError, KeyError, ValueError) as e:  # never break `import peft`
+            warnings.warn(f"hf_fedtask could not register {module} with peft/transformers: {e!r}", stacklevel=2)
 
 
 class _RegisterAfterPeftImport(importlib.abc.MetaPathFinder):

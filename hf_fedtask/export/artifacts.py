@@ -13,6 +13,7 @@ from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.hub import render_model_card
 from hf_fedtask.export.linearized import save_linearized
 from hf_fedtask.export.multi_adapter import PAD_BIAS, save_multi_adapter
+from hf_fedtask.export.tct import save_tct
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 from hf_fedtask.report import ADAPTERS_DIR, COMPACT_DIR, forgotten_what
 
 LINEARIZED_DIR = "linearized"
+TCT_DIR = "tct"
 MULTI_ADAPTER_DIR = "multi_adapter"
 
 
@@ -48,7 +50,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
     bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned."""
     peft_config = spec.peft_config
     exports = spec.strategy.capabilities.exports
-    for folder in (run_dir, run_dir / ADAPTERS_DIR, run_dir / LINEARIZED_DIR):  # what a killed export left
+    for folder in (run_dir, run_dir / ADAPTERS_DIR, run_dir / LINEARIZED_DIR, run_dir / TCT_DIR):  # a killed export's
         remove_stale_staging(folder)
     cards = {}
     # a stock adapter is the ordinary model at θ: for linearized runs its metric is `<metric>_nonlinear`
@@ -86,6 +88,16 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                             mode=spec.strategy.linearization,
                             info={"task": task.name, "metrics": {k: v for k, v in results["tasks"][task.name].items()
                                                                  if k.startswith(task.metric)}})
+    if "tct" in exports:
+        for task in spec.tasks:
+            package = spec.strategy.package(state, task.name)
+            if package is not None:
+                network, linear = package
+                r = results["tasks"][task.name]
+                save_tct(run_dir / TCT_DIR / task.name, peft_config=peft_config, network=network, linear=linear,
+                         base_model_id=spec.base_model_id, card=_tct_card(spec, task, r, results),
+                         info={"task": task.name, "label_names": task.label_names,
+                               "metrics": {task.metric: r[task.metric]}})
     if "multi_adapter" in exports:
         save_multi_adapter(run_dir / MULTI_ADAPTER_DIR, peft_config=peft_config, head_keys=spec.head_keys,
                            task_states={t.name: spec.strategy.task_parameters(state, t.name) for t in spec.tasks},
@@ -171,6 +183,38 @@ def _compact_card(spec: RunExport, results: dict) -> str:
             "```python\nfrom hf_fedtask import load_task_adapter\nmodel = load_task_adapter(\"<this folder>\", \"<task>\")\n```\n\n"
             f"Total communication during training: {results['bytes_uplink'] + results['bytes_downlink']} bytes.\n\n"
             f"| task | metric |\n|---|---|\n{rows}\n")
+
+
+def _tct_card(spec: RunExport, task, r: dict, results: dict) -> str:
+    c = spec.strategy.config
+    return f"""---
+library_name: peft
+base_model: {spec.base_model_id}
+tags: [hf-fedtask, federated-learning, tct, entk]
+---
+
+# {task.name}: TCT (Train-Convexify-Train) stage-2 model
+
+Trained with hf_fedtask by TCT ({spec.strategy.paper}) on {results["num_clients"]}
+clients for {results["rounds"]} rounds: {c.stage1_rounds} FedAvg rounds (stage 1), one round that
+standardized the features with the federation's mean and std, then federated linear regression
+with the `{c.solver}` solver ({c.local_steps} local full-batch steps per round).
+
+This is **not a plain adapter**. The prediction for an input x is argmax_j (z̃(x)ᵀW + b)_j, where z(x)
+is the gradient of the first output of `feature_network/` (the stage-1 network
+`{spec.base_model_id}` + its PEFT modules at the end of stage 1, with a re-initialized head) with
+respect to its trainable parameters, restricted to (at most) {c.num_features}
+seeded coordinates in `linear.safetensors` (`index`), and z̃ = (z − mean)/std.
+
+- labels: {", ".join(task.label_names)}
+- test {task.metric}: {r[task.metric]:.4f}
+
+```python
+from hf_fedtask.export.tct import load_tct
+model = load_tct("path/to/this/folder")
+model.predict([...])   # raw texts or PIL images -> label names
+```
+"""
 
 
 def _training_hparams(spec: RunExport) -> dict:

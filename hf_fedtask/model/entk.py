@@ -19,7 +19,7 @@ parameters in PEFT's saved naming (`host.state()`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -59,22 +59,34 @@ def entk_features(host: PeftHost, state: TaskVector, data: Dataset, index: torch
     """(n, len(index)) float32: row i is ∇_θ f(x_i)[output] at `state` (shared modules + head, saved
     naming), at the coordinates `index` of the flat trainable parameters. The model is in eval mode."""
     with host.loaded(state) as model:
-        was_training = model.training
-        model.eval()
-        names = _named(host, model)
-        live = dict(model.named_parameters())
-        sizes = [live[path].numel() for path, _ in names]
-        offsets = torch.tensor([0, *sizes]).cumsum(0)
-        owners = _layer_owners(model, [path for path, _ in names])
-        rows = []
-        try:
-            for batch in _batches(host, data, batch_size):
-                if owners is not None:
-                    rows.append(_layer_features(model, batch, owners, names, offsets, index, output))
-                else:
-                    rows.append(_gather(_vmap_gradients(model, batch, output), names, offsets, index))
-        finally:
-            model.train(was_training)
+        paths = [path for path, _ in _named(host, model)]
+        return model_features(model, paths, _batches(host, data, batch_size), index, output=output)
+
+
+def model_features(model: torch.nn.Module, paths: list[str], batches: Iterable[dict[str, torch.Tensor]],
+                   index: torch.Tensor, *, output: int = 0) -> torch.Tensor:
+    """The features of `batches` (model inputs) over the parameters at `paths` (module paths, in
+    coordinate order), whatever their `requires_grad`; the model is put in eval mode meanwhile."""
+    was_training = model.training
+    live = dict(model.named_parameters())
+    flags = {path: live[path].requires_grad for path in live}
+    model.eval()
+    for path, p in live.items():
+        p.requires_grad_(path in paths)
+    offsets = torch.tensor([0, *[live[path].numel() for path in paths]]).cumsum(0)
+    names = [(path, path) for path in paths]
+    owners = _layer_owners(model, paths)
+    rows = []
+    try:
+        for batch in batches:
+            if owners is not None:
+                rows.append(_layer_features(model, batch, owners, names, offsets, index, output))
+            else:
+                rows.append(_gather(_vmap_gradients(model, batch, output), names, offsets, index))
+    finally:
+        model.train(was_training)
+        for path, p in live.items():
+            p.requires_grad_(flags[path])
     return torch.cat(rows) if rows else torch.zeros(0, len(index))
 
 

@@ -97,9 +97,13 @@ class TCTConfig(StrategyConfig):
     feature_batch_size: int = option(64, "samples per batched eNTK computation", minimum=1)
 
 
-def feature_head(host: PeftHost, task: str, num_labels: int, seed: int) -> TaskVector:
-    """The re-initialized head whose first output defines the features (the same everywhere)."""
-    return host.initial_head(num_labels, seed=seed * 100003 + zlib.crc32(task.encode()) % 100003)
+def feature_head(template: TaskVector, task: str, seed: int, std: float = 0.02) -> TaskVector:
+    """The re-initialized head (shaped like `template`) whose first output defines the features, the
+    same on every client, the server and in exports: weights N(0, std²) from a seeded generator (BERT's
+    and ViT's initializer range), biases zero."""
+    gen = torch.Generator().manual_seed(seed * 100003 + zlib.crc32(task.encode()) % 100003)
+    return TaskVector({k: torch.randn(t.shape, generator=gen) * std if k.endswith("weight") else torch.zeros(t.shape)
+                       for k, t in template.items()})
 
 
 def head_labels(head: TaskVector) -> int:
@@ -260,12 +264,12 @@ class TCT(Strategy):
 
         return coordinate_subset(point.numel() + head.numel(), self.config.num_features, self.config.feature_seed)
 
-    def compute_features(self, host: PeftHost, point: TaskVector, task: str, num_labels: int, data: Dataset,
-                         who: str) -> torch.Tensor:
+    def compute_features(self, host: PeftHost, point: TaskVector, task: str, head_template: TaskVector,
+                         data: Dataset, who: str) -> torch.Tensor:
         """z for prepared `data` at θ_{T₁} = `point` (cached by who, task and θ's digest)."""
         from hf_fedtask.model.entk import entk_features
 
-        head = feature_head(host, task, num_labels, self.config.feature_seed)
+        head = feature_head(head_template, task, self.config.feature_seed)
         index = self.feature_index(point, head)
 
         def compute() -> torch.Tensor:
@@ -277,8 +281,7 @@ class TCT(Strategy):
     def _client_features(self, job: ClientJob, trainer: LocalTrainer, task: str) -> torch.Tensor:
         if POINT not in job.store:
             raise ConfigError(f"tct: client {job.client_id} holds no stage-1 model (it missed the normalization round)")
-        num_labels = head_labels(job.initial_heads[task])
-        return self.compute_features(trainer.host, job.store[POINT], task, num_labels, job.data[task],
+        return self.compute_features(trainer.host, job.store[POINT], task, job.initial_heads[task], job.data[task],
                                      who=f"client {job.client_id}")
 
     # -- client ------------------------------------------------------------------------------------
@@ -357,9 +360,18 @@ class TCT(Strategy):
     def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray | None:
         if self.phase(state) != STAGE2 or not state.scalars.get("stage2_rounds"):
             return None  # still the stage-1 model (the host evaluates it)
-        num_labels = head_labels(state.vectors[head_name(task)])
-        z = self.compute_features(host, state.vectors[SHARED], task, num_labels, data, who="server")
+        z = self.compute_features(host, state.vectors[SHARED], task, state.vectors[head_name(task)], data, who="server")
         return self.linear_logits(state, task, z).argmax(-1).numpy()
+
+    def package(self, state: GlobalState, task: str) -> tuple[TaskVector, dict[str, torch.Tensor]] | None:
+        """What `hf_fedtask.export.tct.save_tct` writes for `task`: the feature network (θ_{T₁} with the
+        feature head) and the linear model with its coordinates; None before stage 2 has trained."""
+        if self.phase(state) != STAGE2 or not state.scalars.get("stage2_rounds"):
+            return None
+        point, head = state.vectors[SHARED], feature_head(state.vectors[head_name(task)], task, self.config.feature_seed)
+        linear = {"index": self.feature_index(point, head), **state.vectors[norm_name(task)],
+                  **state.vectors[linear_name(task)]}
+        return TaskVector({**point, **head}), linear
 
     def linear_logits(self, state: GlobalState, task: str, z: torch.Tensor) -> torch.Tensor:
         norm, linear = state.vectors[norm_name(task)], state.vectors[linear_name(task)]
