@@ -198,7 +198,7 @@ tags: [hf-fedtask, federated-learning, tct, entk]
 Trained with hf_fedtask by TCT ({spec.strategy.paper}) on {results["num_clients"]}
 clients for {results["rounds"]} rounds: {c.stage1_rounds} FedAvg rounds (stage 1), one round that
 standardized the features with the federation's mean and std, then federated linear regression
-with the `{c.solver}` solver ({c.local_steps} local full-batch steps per round).
+with the `{c.solver}` solver ({c.stage2_steps} local full-batch steps per round).
 
 This is **not a plain adapter**. The prediction for an input x is argmax_j (z̃(x)ᵀW + b)_j, where z(x)
 is the gradient of the first output of `feature_network/` (the stage-1 network

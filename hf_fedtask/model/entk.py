@@ -82,7 +82,7 @@ def model_features(model: torch.nn.Module, paths: list[str], batches: Iterable[d
             if owners is not None:
                 rows.append(_layer_features(model, batch, owners, names, offsets, index, output))
             else:
-                rows.append(_gather(_vmap_gradients(model, batch, output), names, offsets, index))
+                rows.append(_vmap_features(model, batch, names, offsets, index, output))
     finally:
         model.train(was_training)
         for path, p in live.items():
@@ -147,6 +147,25 @@ def _layer_features(model, batch, owners, names, offsets, index, output, budget:
             else:
                 width = a.shape[1]
                 out[:, s:s + len(sel)] = (g[:, sel // width, :] * a[:, sel % width, :]).sum(-1)
+    return out
+
+
+def _vmap_features(model, batch, names, offsets, index, output) -> torch.Tensor:
+    """The `torch.func` path. A padded text batch is split by length and fed without its attention mask
+    (transformers' mask code branches on the mask's values, which `vmap` cannot trace): exact for
+    right padding, which is what the tokenizers here produce."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return _gather(_vmap_gradients(model, batch, output), names, offsets, index)
+    lengths = mask.sum(1)
+    out = torch.zeros(len(lengths), len(index))
+    for length in lengths.unique().tolist():
+        rows = (lengths == length).nonzero().flatten()
+        if not bool(mask[rows, :length].all()):
+            raise ValueError("eNTK features: left-padded inputs are not supported")
+        sub = {k: v[rows][:, :length] if v.dim() > 1 and v.shape[1] == mask.shape[1] else v[rows]
+               for k, v in batch.items() if k != "attention_mask"}
+        out[rows] = _gather(_vmap_gradients(model, sub, output), names, offsets, index)
     return out
 
 

@@ -87,7 +87,7 @@ def linear_name(task: str) -> str:
 class TCTConfig(StrategyConfig):
     stage1_rounds: int = option(20, "T₁: FedAvg rounds before the convexified stage (0 = eNTK at the init)", minimum=0)
     num_features: int = option(10000, "p: eNTK coordinates kept, a seeded subset identical on every client", minimum=1)
-    local_steps: int = option(100, "M: full-batch gradient steps per client and stage-2 round", minimum=1)
+    stage2_steps: int = option(100, "M: full-batch gradient steps per client and stage-2 round", minimum=1)
     stage2_lr: float = option(0.0, "η of stage 2; 0 = 1/λ_max of each client's feature covariance", minimum=0)
     solver: str = option("scaffold", "stage-2 solver: scaffold (TCT) | fedavg (the ablation)",
                          choices=("scaffold", "fedavg"))
@@ -312,9 +312,9 @@ class TCT(Strategy):
             last = job.store.get(f"tct/last/{task}", linear.zeros_like())  # θ̂_k (θ⁰ = 0)
             h = job.store.get(f"tct/h/{task}", linear.zeros_like())
             if c.solver == "scaffold":
-                h = h + (linear - last) * (1.0 / (c.local_steps * lr))
+                h = h + (linear - last) * (1.0 / (c.stage2_steps * lr))
             weight, bias, loss = regression_steps(z, y, linear["weight"], linear.get("bias"), h["weight"], h.get("bias"),
-                                                  c.local_steps, lr)
+                                                  c.stage2_steps, lr)
             trained = TaskVector({"weight": weight, **({"bias": bias} if bias is not None else {})})
             job.store[f"tct/last/{task}"], job.store[f"tct/h/{task}"] = trained, h
             vectors[linear_name(task)] = trained - linear
