@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 tasks, 3 rounds, 64 samples per task")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args(argv)
-    out = Path(args.output_dir)
+    out = Path(tempfile.mkdtemp(prefix="matu_findings_") if args.quick else args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = dict(suite="builtin-8", num_clients=30, participation=0.2, rounds=15, zeta=0.5, local_epochs=1.0,
                 output_dir=str(out))

@@ -59,6 +59,7 @@ class RunConfig:
     classes_per_client: int = 2
     min_samples: int = 8
     max_train_samples: int | None = None  # cap each task's train split (quick runs)
+    max_test_samples: int | None = None  # evaluate on a seeded subset of each task's test split
     # local training
     local_epochs: float = 1.0
     local_steps: int = -1

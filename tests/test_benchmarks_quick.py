@@ -20,6 +20,9 @@ SCRIPTS = {
     "merge_bench.py": ([rf"^RATIO +{re.escape(name)} +{NUMBER} " for name in (
         "ties_time/floor_time", "unify_time/floor_time", "peft_ties_time/ties_time", "ties_mem/peft_ties_mem",
         "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem")], False),
+    "entk_bench.py": ([rf"^RATIO {name} batched/loop samples per second = {NUMBER} " for name in (
+        "small-cnn-full/digits", "minilm-lora/vader_polarity")], False),
+    "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "client_overhead.py": ([rf"^RATIO ours/bare wall time \(median over pairs\) = {NUMBER} "], True),
     "linearize_bench.py": ([rf"^RATIO linearized/normal \(sdpa\) step time +: {NUMBER} ",
                             rf"^RATIO linearized/normal-eager step time +: {NUMBER} "], True),

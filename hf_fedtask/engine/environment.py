@@ -35,6 +35,10 @@ def load_tasks(config: RunConfig) -> list[Task]:
         for t in tasks:
             n = min(config.max_train_samples, len(t.dataset["train"]))
             t.dataset["train"] = t.dataset["train"].shuffle(seed=config.seed).select(range(n))
+    if config.max_test_samples:
+        for t in tasks:
+            n = min(config.max_test_samples, len(t.dataset["test"]))
+            t.dataset["test"] = t.dataset["test"].shuffle(seed=config.seed).select(range(n))
     return tasks
 
 
