@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     names = list(methods(args))
     acc = {m: {s: 100 * table[s][m]["mean_metric"] for s in splits} for m in names}
     header = " | ".join(SPLITS[s][0] for s in splits)
-    lines = [f"**Fashion-MNIST, {base.num_clients} clients, {base.rounds} rounds, test accuracy % after the last "
+    lines = [f"**{', '.join(base.tasks or [])}, {base.num_clients} clients, {base.rounds} rounds, test accuracy % after the last "
              f"round** (paper, Table 2: #C=1 / #C=2 / α=0.1 / α=0.5)", "",
              f"| method | {header} | paper |", "|---|" + "---|" * len(splits) + "---|"]
     for m in names:
