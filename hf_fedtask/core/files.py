@@ -7,7 +7,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hf_fedtask.errors import OutputDirError
@@ -55,6 +56,24 @@ def staged_folder(out: Path) -> Iterator[Path]:
             raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def built_once(path: Path, build: Callable[[Path], None]) -> Path:
+    """A cache folder: `path` if it exists, else `build(tmp)` into a temp folder beside it renamed into
+    place (a killed build never leaves a partial folder behind; a concurrent builder's copy wins)."""
+    path = Path(path)
+    if not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            build(tmp)
+            os.rename(tmp, path)
+        except OSError:
+            if not path.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 LOCK_FILE = ".hf_fedtask.lock"

@@ -17,9 +17,7 @@ import importlib.metadata
 import json
 import math
 import os
-import shutil
 import unicodedata
-import uuid
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from datasets.utils import (
     enable_progress_bars,
 )
 
+from hf_fedtask.core.files import built_once
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError
 
@@ -679,20 +678,9 @@ def task_cache_dir(name: str, seed: int, cache_dir=None) -> Path:
 
 
 def _load_or_build(spec: BuiltinTask, seed: int, cache_dir, memo: dict) -> DatasetDict:
-    """Load the cached Arrow copy, or build it into a temp folder renamed into place (atomic: a killed
-    build never leaves a partial task behind; a concurrent builder's copy wins)."""
-    path = task_cache_dir(spec.name, seed, cache_dir)
-    if not path.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{spec.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            save_quietly(build_task_dataset(spec, seed, memo), tmp)
-            os.rename(tmp, path)
-        except OSError:
-            if not path.is_dir():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    """Load the cached Arrow copy, or build it once (`built_once`: atomic, a concurrent builder's copy wins)."""
+    path = built_once(task_cache_dir(spec.name, seed, cache_dir),
+                      lambda tmp: save_quietly(build_task_dataset(spec, seed, memo), tmp))
     return load_from_disk(str(path))
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, load_dataset, load_from_disk
 
+from hf_fedtask.core.files import built_once
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError
 
@@ -55,21 +54,10 @@ def _image_split(images: np.ndarray, labels: np.ndarray, names: list[str]) -> Da
 
 
 def _cached(name: str, build: Callable[[], DatasetDict], cache_dir) -> DatasetDict:
-    """Load the cached Arrow copy, or build it into a temp folder renamed into place."""
+    """Load the cached Arrow copy, or build it once (`built_once`)."""
     from hf_fedtask.data.builtin import cache_root, save_quietly
 
-    path = cache_root(cache_dir) / "images" / VERSION / name
-    if not path.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            save_quietly(build(), tmp)
-            os.rename(tmp, path)
-        except OSError:
-            if not path.is_dir():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    path = built_once(cache_root(cache_dir) / "images" / VERSION / name, lambda tmp: save_quietly(build(), tmp))
     return load_from_disk(str(path))
 
 

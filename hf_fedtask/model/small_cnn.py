@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageClassification, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import ImageClassifierOutput
+
+from hf_fedtask.core.files import built_once
 
 SMALL_CNN = "hf-fedtask/small-cnn"
 MODEL_TYPE = "hf_fedtask_small_cnn"
@@ -105,24 +104,15 @@ PROCESSOR = {
 
 def materialize(cache_root: Path, seed: int = 0) -> Path:
     """The folder of `hf-fedtask/small-cnn` (config, seeded weights, image processor) under
-    `cache_root`, written once into a temp folder renamed into place."""
-    path = cache_root / "models" / f"small-cnn-{BUILDER_VERSION}-seed{seed}"
-    if path.is_dir():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        torch.manual_seed(seed)
-        model = SmallCNNForImageClassification(SmallCNNConfig(num_labels=10))
+    `cache_root`, written once (`built_once`)."""
+    def build(tmp: Path) -> None:
+        with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+            torch.manual_seed(seed)
+            model = SmallCNNForImageClassification(SmallCNNConfig(num_labels=10))
         model.save_pretrained(tmp)
         (tmp / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=1))
-        os.rename(tmp, path)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return built_once(cache_root / "models" / f"small-cnn-{BUILDER_VERSION}-seed{seed}", build)
 
 
 def weights_digest(path: Path) -> str:
