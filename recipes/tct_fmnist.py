@@ -5,12 +5,16 @@ centralized reference, 10 clients, label skew #C=1, #C=2, Dirichlet α=0.1 and �
     python recipes/tct_fmnist.py                   # the whole table
     python recipes/tct_fmnist.py --settings c1     # one column; any RunConfig key is a flag
     python recipes/tct_fmnist.py --tct-stage1 20 --tct-features 10000 --tct-steps 100
+    python recipes/tct_fmnist.py --ablation-steps 1 10 100   # + stage 2 with SCAFFOLD vs FedAvg over M
 
 A small CNN (`hf-fedtask/small-cnn`, trained in full) with SGD; every client every round; TCT runs
 `--tct-stage1` FedAvg rounds, the normalization round, then stage 2 until the same total number of
 rounds as the baselines. Writes `<output_dir>/tct_fmnist.md` (final test accuracy %, methods by
 split), `tct_fmnist.json` and `tct_fmnist.png` (accuracy per round), and every run under
 `<output_dir>/<split>/<method>/`. Rerunning resumes finished runs from their folders.
+
+`--ablation-steps` adds TCT runs whose stage 2 uses the SCAFFOLD-corrected update (TCT's) or plain
+FedAvg of local full-batch steps, for each M, and a second table (`tct_fmnist_ablation.md`).
 """
 
 import json
@@ -59,7 +63,25 @@ def methods(args) -> dict[str, dict]:
     tct = {"strategy": "tct", "stage1_rounds": args.tct_stage1, "num_features": args.tct_features,
            "stage2_steps": args.tct_steps}
     return {"fedavg": {"strategy": "fedavg"}, "fedprox": {"strategy": "fedprox"},
-            "scaffold": {"strategy": "scaffold"}, "tct": tct}
+            "scaffold": {"strategy": "scaffold"}, "tct": tct, **ablation(args)}
+
+
+def ablation(args) -> dict[str, dict]:
+    """TCT with stage-2 solver s and M local steps, as `tct_<s>_M<M>`."""
+    return {f"tct_{solver}_M{m}": {"strategy": "tct", "stage1_rounds": args.tct_stage1, "num_features": args.tct_features,
+                                   "stage2_steps": m, "solver": solver}
+            for m in args.ablation_steps for solver in ("scaffold", "fedavg")}
+
+
+def ablation_table(acc: dict, args, splits: dict) -> str:
+    header = " | ".join(f"{SPLITS[s][0]} {solver}" for s in splits for solver in ("scaffold", "fedavg"))
+    lines = ["**TCT's stage 2: SCAFFOLD-corrected vs plain FedAvg local steps, test accuracy % after the last "
+             "round, by M (local full-batch steps per round)**", "", f"| M | {header} |",
+             "|---|" + "---|" * 2 * len(splits)]
+    for m in args.ablation_steps:
+        lines.append(f"| {m} | " + " | ".join(f"{acc[f'tct_{solver}_M{m}'][s]:.1f}" for s in splits
+                                              for solver in ("scaffold", "fedavg")) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def curves(run_dir: Path) -> list[float]:
@@ -72,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tct-stage1", type=int, default=20, help="TCT's T₁ (FedAvg rounds)")
     parser.add_argument("--tct-features", type=int, default=10000, help="TCT's p (eNTK coordinates)")
     parser.add_argument("--tct-steps", type=int, default=100, help="TCT's M (local steps of stage 2)")
+    parser.add_argument("--ablation-steps", type=int, nargs="*", default=[],
+                        help="also run TCT with a SCAFFOLD and a FedAvg stage 2 for each of these M")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -84,8 +108,8 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(base.output_dir)
-    names = list(methods(args))
-    acc = {m: {s: 100 * table[s][m]["mean_metric"] for s in splits} for m in names}
+    names = [m for m in methods(args) if m not in ablation(args)]
+    acc = {m: {s: 100 * table[s][m]["mean_metric"] for s in splits} for m in methods(args)}
     header = " | ".join(SPLITS[s][0] for s in splits)
     lines = [f"**{', '.join(base.tasks or [])}, {base.num_clients} clients, {base.rounds} rounds, test accuracy % after the last "
              f"round** (paper, Table 2: #C=1 / #C=2 / α=0.1 / α=0.5)", "",
@@ -96,6 +120,9 @@ def main(argv=None) -> int:
                  + " |" * (len(splits) - 1) + f" {PAPER['central']} |")
     text = "\n".join(lines) + "\n"
     write_atomic(out / "tct_fmnist.md", text)
+    if args.ablation_steps:
+        text += "\n" + ablation_table(acc, args, splits)
+        write_atomic(out / "tct_fmnist_ablation.md", ablation_table(acc, args, splits))
     per_round = {s: {m: curves(out / s / m) for m in names} for s in splits}
     write_atomic(out / "tct_fmnist.json", json.dumps({"final": acc, "central": 100 * central["mean_metric"],
                                                       "per_round": per_round}, indent=1) + "\n")

@@ -112,6 +112,28 @@ def test_entk_features_equal_the_per_sample_backward_loop(tiny_bert_dir, tiny_ta
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("p", [2000, 20000])
+def test_cnn_entk_features_equal_the_per_sample_backward_loop(p):
+    """Convolutions and linear layers, with few selected coordinates per layer (gathered pairs) and
+    many (the per-sample gradient by batched matmul): both against one backward pass per sample."""
+    from hf_fedtask.model.entk import _dense_is_cheaper
+
+    env = Environment(RunConfig(**{**IMAGES, "num_clients": 2}))
+    task = env.tasks[0].name
+    state = TaskVector({**env.initial.vectors[SHARED], **env.initial_heads[task]})
+    index = coordinate_subset(state.numel(), p, seed=5)
+    (conv2,) = [k for k in state if k.endswith("cnn.conv2.weight")]
+    lo = sum(state[k].numel() for k in list(state)[:list(state).index(conv2)])
+    selected = int(((index >= lo) & (index < lo + state[conv2].numel())).sum())
+    # the two sizes take the two routes on the second convolution (64 × 800 weights, L = 14 × 14)
+    assert _dense_is_cheaper(selected, 64, 800, 196) == (p == 20000)
+    data = env.test_data(task).select(range(10))
+    fast = entk_features(env.host, state, data, index, batch_size=4)
+    slow = per_sample_loop(env.host, state, data, index)
+    assert fast.shape == (10, p) and slow.abs().max() > 0
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
+
+
 def test_features_of_a_sample_do_not_depend_on_its_batch():
     """What makes the features identical on every client: a sample's row is the same in any batch."""
     env = Environment(RunConfig(**{**IMAGES, "num_clients": 2}))

@@ -9,7 +9,9 @@ and one backward pass:
   CNN trained in full), each layer's input a and output gradient g are captured and only the
   selected coordinates are formed: ∂f/∂W[i, j] = Σ_t g[t, i]·a[t, j] (for a convolution, over the
   unfolded patches), the per-sample-gradient trick of Opacus and BackPACK, written by hand
-  because it must never build the full per-sample gradients (n × P floats);
+  because it must never build the full per-sample gradients (n × P floats): a layer whose selected
+  coordinates are dense enough (convolutions) gets its own per-sample gradient by one batched
+  matmul, a few samples at a time, and the rest gather only the selected pairs;
 - otherwise with `torch.func` (`vmap` over `grad` of a `functional_call`), which builds them.
 
 Samples are independent in eval mode (no batch statistics), so the batched backward of Σ_i f(x_i)
@@ -48,7 +50,8 @@ def _named(host: PeftHost, model: torch.nn.Module) -> list[tuple[str, str]]:
     return [(by_ptr[saved[k].data_ptr()], k) for k in order]
 
 
-def _batches(host: PeftHost, data: Dataset, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+def input_batches(host: PeftHost, data: Dataset, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The model inputs of `data` in order, collated by the host's collator, without labels."""
     loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
     for batch in loader:
         yield {k: v for k, v in batch.items() if k != "labels"}
@@ -60,7 +63,7 @@ def entk_features(host: PeftHost, state: TaskVector, data: Dataset, index: torch
     naming), at the coordinates `index` of the flat trainable parameters. The model is in eval mode."""
     with host.loaded(state) as model:
         paths = [path for path, _ in _named(host, model)]
-        return model_features(model, paths, _batches(host, data, batch_size), index, output=output)
+        return model_features(model, paths, input_batches(host, data, batch_size), index, output=output)
 
 
 def model_features(model: torch.nn.Module, paths: list[str], batches: Iterable[dict[str, torch.Tensor]],
@@ -139,6 +142,13 @@ def _layer_features(model, batch, owners, names, offsets, index, output, budget:
             g = g.reshape(n, g.shape[1], -1)
         else:  # any leading dims (tokens) become one: (n, T, in) and (n, T, out), summed over T
             a, g = a.reshape(n, -1, a.shape[-1]).transpose(1, 2), g.reshape(n, -1, g.shape[-1]).transpose(1, 2)
+        if kind == "weight" and _dense_is_cheaper(stop - start, g.shape[1], a.shape[1], a.shape[-1]):
+            sel = index[start:stop] - lo  # per-sample weight gradients g·aᵀ by batched matmul, then the columns
+            rows_per = max(1, budget // (g.shape[1] * a.shape[1]))  # temporaries of rows_per × O × in floats
+            for r in range(0, n, rows_per):
+                full = torch.bmm(g[r:r + rows_per], a[r:r + rows_per].transpose(1, 2))
+                out[r:r + rows_per, start:stop] = full.reshape(full.shape[0], -1)[:, sel]
+            continue
         chunk = max(1, budget // (n * a.shape[-1]))  # temporaries of n × chunk × L floats
         for s in range(start, stop, chunk):
             sel = index[s:min(s + chunk, stop)] - lo
@@ -148,6 +158,15 @@ def _layer_features(model, batch, owners, names, offsets, index, output, budget:
                 width = a.shape[1]
                 out[:, s:s + len(sel)] = (g[:, sel // width, :] * a[:, sel % width, :]).sum(-1)
     return out
+
+
+def _dense_is_cheaper(selected: int, out_dim: int, in_dim: int, positions: int) -> bool:
+    """Whether forming a layer's whole per-sample weight gradient (one batched matmul, O·in·L multiply-adds
+    and O·in floats written per sample) beats gathering its `selected` coordinates (two gathers and a
+    product of `selected`·L floats). The constants are CPU measurements (one thread): a gathered
+    element costs about 300 matmul multiply-adds, a written output float about 100; so a convolution
+    (L = 196-784) goes dense at 2 % of its coordinates and a linear layer on one position almost never."""
+    return selected * positions * 300 > out_dim * in_dim * (positions + 100)
 
 
 def _vmap_features(model, batch, names, offsets, index, output) -> torch.Tensor:
@@ -205,7 +224,7 @@ def per_sample_loop(host: PeftHost, state: TaskVector, data: Dataset, index: tor
         live = dict(model.named_parameters())
         rows = []
         try:
-            for batch in _batches(host, data, 1):
+            for batch in input_batches(host, data, 1):
                 model.zero_grad(set_to_none=True)
                 model(**batch).logits[0, output].backward()
                 flat = torch.cat([live[path].grad.reshape(-1) for path, _ in names])
