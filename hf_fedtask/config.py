@@ -60,6 +60,12 @@ class RunConfig:
     min_samples: int = 8
     max_train_samples: int | None = None  # cap each task's train split (quick runs)
     max_test_samples: int | None = None  # evaluate on a seeded subset of each task's test split
+    exclude_clients: list[int] = field(default_factory=list)  # clients that never take part (a retraining reference)
+    # backdoor protocol (F²L²): one client's training data all carry a trigger and the target label;
+    # evaluation adds each task's backdoor success rate on the triggered test inputs of other classes
+    backdoor_client: int = -1  # -1 = no backdoor
+    backdoor_target: int = 0
+    backdoor_trigger: int = 7  # images: side of a white square at the bottom right, in pixels; texts: trigger words
     # local training
     local_epochs: float = 1.0
     local_steps: int = -1
@@ -98,6 +104,11 @@ class RunConfig:
             raise ConfigError(f"config: zeta must be >= 0, got {self.zeta}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"config: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.backdoor_client < -1 or self.backdoor_target < 0 or self.backdoor_trigger < 1:
+            raise ConfigError("config: backdoor_client must be >= -1, backdoor_target >= 0 and backdoor_trigger >= 1, got "
+                              f"{self.backdoor_client}, {self.backdoor_target}, {self.backdoor_trigger}")
+        if any(c < 0 for c in self.exclude_clients):
+            raise ConfigError(f"config: exclude_clients must be client ids >= 0, got {self.exclude_clients}")
         if self.max_grad_norm < 0:
             raise ConfigError(f"config: max_grad_norm must be >= 0, got {self.max_grad_norm}")
         typed = self.strategy_config  # validates the strategy and its options

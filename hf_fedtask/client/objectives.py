@@ -71,3 +71,18 @@ class OneHotMSE(Objective):
         if self.l2:
             mse = mse + (self.l2 / 2) * sum((p ** 2).sum() for p in self.params.values())
         return mse
+
+
+class GradientAscent(Objective):
+    """The negative of another objective's loss: stochastic gradient ascent on a client's data, the
+    unlearning baseline (SGA) the F²L² paper compares against."""
+
+    def __init__(self, inner: Objective):
+        self.inner = inner
+
+    def start(self, params):
+        super().start(params)
+        self.inner.start(params)
+
+    def loss(self, model_loss, outputs, inputs):
+        return -self.inner.loss(model_loss, outputs, inputs)

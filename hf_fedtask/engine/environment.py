@@ -9,15 +9,18 @@ from the same config and gets the same partition, the same seeded PEFT init and 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property
 
-from datasets import Dataset
+import numpy as np
+from datasets import Dataset, DatasetDict
 
 from hf_fedtask.client.trainer import LocalTrainer, LocalTrainingArgs
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.state import SHARED, GlobalState, head_name
 from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
 from hf_fedtask.data import build_federation, load_suite, load_task
+from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
 from hf_fedtask.data.task import Task, TaskInfo
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, classifier_class, input_kind, resolve_base_model
@@ -90,7 +93,7 @@ class Environment:
         self.config = config
         self.strategy = strategy or build_strategy(config.strategy, config.strategy_options)
         self._client_data: dict[int, dict[str, Dataset]] = {}
-        self._test_data: dict[str, Dataset] = {}
+        self._test_data: dict = {}  # task -> test split; (kind, task) -> held-out / triggered sets
         if tasks is not None:  # a finished run's tasks without their data: nothing to train or evaluate
             self.__dict__["tasks"] = list(tasks)
 
@@ -111,12 +114,46 @@ class Environment:
         return build_trainer(self.host, self.config)
 
     @cached_property
+    def held_out(self) -> dict[str, Dataset]:
+        """The server's own slice of each task's training split (the strategy's `server_fraction`, a
+        seeded choice; empty for most strategies): never partitioned among clients."""
+        return self._training_splits[1]
+
+    @cached_property
+    def _training_splits(self) -> tuple[list[Task], dict[str, Dataset]]:
+        fraction = self.strategy.server_fraction
+        if fraction <= 0:
+            return self.tasks, {}
+        client_tasks, held = [], {}
+        for i, task in enumerate(self.tasks):
+            train = task.dataset["train"]
+            order = np.random.default_rng([self.config.seed, i, 7]).permutation(len(train))
+            cut = int(np.ceil(fraction * len(train)))
+            held[task.name] = train.select(np.sort(order[:cut]))
+            rest = DatasetDict({**task.dataset, "train": train.select(np.sort(order[cut:]))})
+            client_tasks.append(dataclasses.replace(task, dataset=rest))
+        return client_tasks, held
+
+    @cached_property
     def partition(self) -> list[dict[str, Dataset]]:
-        """Every client's raw train data per task (the seeded partitioner: the same in every process)."""
+        """Every client's raw train data per task (the seeded partitioner: the same in every process);
+        the backdoored client's (`backdoor_client`) carry the trigger and the target label."""
         c = self.config
-        return build_federation(self.tasks, c.num_clients or len(self.tasks), zeta=c.zeta, partition=c.partition,
-                                alpha=c.alpha, classes_per_client=c.classes_per_client, seed=c.seed,
-                                min_samples=c.min_samples)
+        clients = build_federation(self._training_splits[0], c.num_clients or len(self.tasks), zeta=c.zeta,
+                                   partition=c.partition, alpha=c.alpha, classes_per_client=c.classes_per_client,
+                                   seed=c.seed, min_samples=c.min_samples)
+        outside = [k for k in [*c.exclude_clients, c.backdoor_client] if k >= len(clients)]
+        if outside:
+            raise ConfigError(f"client {outside[0]} (exclude_clients / backdoor_client) is outside this run's "
+                              f"{len(clients)} clients")
+        if c.backdoor_client >= 0:
+            for name, data in clients[c.backdoor_client].items():
+                task = self.task_by_name[name]
+                if c.backdoor_target >= task.num_labels:
+                    raise ConfigError(f"backdoor_target {c.backdoor_target} is not a class of task {name!r} "
+                                      f"({task.num_labels} classes)")
+                clients[c.backdoor_client][name] = poisoned(data, task, c.backdoor_trigger, c.backdoor_target)
+        return clients
 
     @property
     def num_clients(self) -> int:
@@ -142,6 +179,30 @@ class Environment:
             t = self.task_by_name[task]
             self._test_data[task] = self.host.tokenize(t.dataset["test"], t)
         return self._test_data[task]
+
+    def server_data(self, task: str) -> Dataset:
+        """The server's held-out slice of `task`'s training split, prepared for the model (cached)."""
+        key = ("server", task)
+        if key not in self._test_data:
+            if task not in self.held_out:
+                raise ConfigError(f"the server holds no data of task {task!r} (strategy {self.strategy.name!r})")
+            self._test_data[key] = self.host.tokenize(self.held_out[task], self.task_by_name[task])
+        return self._test_data[key]
+
+    @property
+    def backdoor_tasks(self) -> list[str]:
+        """The tasks the backdoored client holds (none without a backdoor)."""
+        b = self.config.backdoor_client
+        return sorted(self.partition[b]) if b >= 0 else []
+
+    def backdoor_test_data(self, task: str) -> Dataset:
+        """`task`'s triggered test inputs of the classes other than the target, prepared (cached)."""
+        key = ("backdoor", task)
+        if key not in self._test_data:
+            t, c = self.task_by_name[task], self.config
+            raw = backdoor_test_set(t.dataset["test"], t, c.backdoor_trigger, c.backdoor_target)
+            self._test_data[key] = self.host.tokenize(raw, t)
+        return self._test_data[key]
 
     @cached_property
     def peft_hash(self) -> str:

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_fedtask.client.evaluation import evaluate, score
+from hf_fedtask.client.evaluation import predict, score
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.core.state import GlobalState
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors
+from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
+from hf_fedtask.data.backdoor import success_rate
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
 from hf_fedtask.engine.secure import SecureAggregation, parse_seeds
@@ -50,7 +52,11 @@ class Server:
     def sample_clients(self, round_: int) -> list[int]:
         """Participation ξ: a seeded sample of ⌈ξ·N⌉ clients, a function of (seed, round) only."""
         rng = np.random.default_rng([self.config.seed, round_])
-        return sorted(int(c) for c in rng.choice(self.num_clients, size=self.clients_per_round, replace=False))
+        if not self.config.exclude_clients:
+            return sorted(int(c) for c in rng.choice(self.num_clients, size=self.clients_per_round, replace=False))
+        eligible = [c for c in range(self.num_clients) if c not in set(self.config.exclude_clients)]
+        size = min(self.clients_per_round, len(eligible))
+        return sorted(int(c) for c in rng.choice(eligible, size=size, replace=False))
 
     def check(self) -> None:
         """What can be refused before anything is written: names, the model and its PEFT config, the
@@ -86,6 +92,7 @@ class Server:
     def round(self, state: GlobalState, round_: int, transport: Transport) -> tuple[GlobalState, dict]:
         start = time.perf_counter()
         strategy, header, allocation = self.strategy, self.env.header(), state.allocation
+        state = strategy.server_step(state, self.env)
         clients = self.sample_clients(round_)
         kind = strategy.message_kind(state)
         config = {"query": strategy.query_name(state)} if kind == QUERY else {}
@@ -184,20 +191,29 @@ class Server:
                 raise ConfigError(f"strategy {self.strategy.name!r} evaluates on its clients: give a transport")
             return self._evaluate_on_clients(state, transport)
         out = {}
-        host, batch = self.env.host, self.config.eval_batch_size
         for t in self.env.tasks:
-            data = self.env.test_data(t.name)
-            preds = self.strategy.predict(state, t.name, host, data, batch)
-            if preds is not None:  # a model of the strategy's own (e.g. TCT's stage 2)
-                out[t.name] = score(preds, data, t.metric)
-                continue
-            params = self.strategy.task_parameters(state, t.name, stores)
-            point = self.strategy.linearization_point(state, t.name)
-            out[t.name] = evaluate(host, params, data, t.metric, batch, linearize_at=point,
-                                   linearization=self.strategy.linearization)
-            if point is not None:
-                out[t.name][f"{t.metric}_nonlinear"] = evaluate(host, params, data, t.metric, batch)[t.metric]
+            out[t.name] = score(self.predict(state, t.name, self.env.test_data(t.name), stores), self.env.test_data(t.name),
+                                t.metric)
+            if self.strategy.linearization_point(state, t.name) is not None:
+                preds = self.predict(state, t.name, self.env.test_data(t.name), stores, nonlinear=True)
+                out[t.name][f"{t.metric}_nonlinear"] = score(preds, self.env.test_data(t.name), t.metric)[t.metric]
+        for task in self.env.backdoor_tasks:
+            preds = self.predict(state, task, self.env.backdoor_test_data(task), stores)
+            out[task][BACKDOOR_METRIC] = success_rate(preds, self.config.backdoor_target)
         return out
+
+    def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,
+                nonlinear: bool = False) -> np.ndarray:
+        """The federated model's predictions for `task` on prepared `data`: the strategy's own model
+        (e.g. TCT's stage 2), the linearized model of linearized strategies (or, `nonlinear`, the
+        ordinary model at the same parameters), or the host model carrying the task's parameters."""
+        host, batch = self.env.host, self.config.eval_batch_size
+        preds = None if nonlinear else self.strategy.predict(state, task, host, data, batch)
+        if preds is not None:
+            return preds
+        point = None if nonlinear else self.strategy.linearization_point(state, task)
+        return predict(host, self.strategy.task_parameters(state, task, stores), data, batch, linearize_at=point,
+                       linearization=self.strategy.linearization)
 
     def _evaluate_on_clients(self, state: GlobalState, transport: Transport) -> dict[str, dict]:
         """Every holder evaluates its own model of each of its tasks on the task's test split; a task's

@@ -125,7 +125,9 @@ def unlearning_note(results: dict) -> str | None:
     change = "; ".join(
         f"`{t}` {metric[t]} {u['before'][t][metric[t]]:.4f} → {u['after'][t][metric[t]]:.4f}" if u.get("before")
         else f"`{t}` {metric[t]} {u['after'][t][metric[t]]:.4f}" for t in u["tasks"])
-    if "from_round" in u:
+    if "how" in u:
+        how = u["how"]
+    elif "from_round" in u:
         how = (f"in rounds {u['from_round']}–{u['from_round'] + u['rounds'] - 1} the updates of "
                f"{len(u['clients'])} client(s) ({', '.join(map(str, u['clients']))}) were negated before "
                "aggregation (NTKFedAvg Alg. 1, lines 8–9)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -64,14 +65,17 @@ def embedded_default_path() -> Path:
     return path
 
 
-def _small_cnn() -> Path:
-    from hf_fedtask.data.builtin import cache_root
-    from hf_fedtask.model.small_cnn import materialize
+def _small_network(name: str) -> Callable[[], Path]:
+    def build() -> Path:
+        from hf_fedtask.data.builtin import cache_root
+        from hf_fedtask.model.small_cnn import materialize
 
-    return materialize(cache_root())
+        return materialize(cache_root(), name=name)
+
+    return build
 
 
-MODEL_BUILDERS = {"hf-fedtask/small-cnn": _small_cnn}
+MODEL_BUILDERS = {name: _small_network(name) for name in ("hf-fedtask/small-cnn", "hf-fedtask/small-mlp")}
 """Base models hf_fedtask builds itself (seeded, written to the cache once), by name."""
 
 

@@ -146,6 +146,14 @@ class LinearizedModel(nn.Module):
             ) from e
         return out0.logits + dout.logits
 
+    def tangent_logits(self, inputs: dict) -> torch.Tensor:
+        """The linear term J·(θ − θ_lin) of the logits alone (whole-network mode): what Gauss-Newton
+        products of the linearized model need (F²L²'s removal step)."""
+        if self.mode != "network":
+            raise LinearizationError("tangent_logits needs the whole network linearized (mode 'network')")
+        return _tangent_forward(self.model, self.names, [self.point[n] for n in self.names], (),
+                                {**inputs, "return_dict": True})[1].logits
+
     # -- L-LoRA -----------------------------------------------------------------------------
     def _linearize_lora_layers(self) -> None:
         from peft.tuners.lora import LoraLayer

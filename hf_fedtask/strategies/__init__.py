@@ -16,6 +16,7 @@ from hf_fedtask.strategies.base import (
     register_strategy,
     strategy_class,
 )
+from hf_fedtask.strategies.f2l2 import F2L2, F2L2Config
 from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
 from hf_fedtask.strategies.fedper import FedPer, FedPerConfig
 from hf_fedtask.strategies.fedyolo import FedYolo, FedYoloConfig
@@ -31,7 +32,7 @@ from hf_fedtask.strategies.scaffold import Scaffold, ScaffoldConfig
 from hf_fedtask.strategies.tct import TCT, TCTConfig
 
 __all__ = [
-    "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "FedAvg", "FedAvgConfig", "FedPer",
+    "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "F2L2", "F2L2Config", "FedAvg", "FedAvgConfig", "FedPer",
     "FedPerConfig", "FedProx", "FedProxConfig", "FedYolo", "FedYoloConfig", "GlobalState", "MaTFL", "MaTFLConfig",
     "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig", "Scaffold",
     "ScaffoldConfig", "Strategy", "TCT", "TCTConfig",

@@ -128,6 +128,17 @@ class Strategy(ABC):
         """Refuse run settings (a `RunConfig`) this strategy cannot honour, with a ConfigError, before
         anything is written. Everything is accepted by default."""
 
+    @property
+    def server_fraction(self) -> float:
+        """The share of each task's training split the server keeps for itself (never sent to a client);
+        0 for strategies whose server holds no data."""
+        return 0.0
+
+    def server_step(self, state: GlobalState, env) -> GlobalState:
+        """Work the server does alone at the start of a round, before any message (F²L²'s pretraining
+        on its own data, through `env`, the run's `Environment`); the state as it is by default."""
+        return state
+
     # -- state -------------------------------------------------------------------------------------
     def init_state(self, host: PeftHost, tasks: list[Task], seed: int, allocation: dict[int, list[str]]) -> GlobalState:
         vectors = {SHARED: host.initial_shared()}

@@ -4,6 +4,9 @@
   updates of the clients holding the forgotten task (or of the forgotten client) are negated before
   aggregation (Alg. 1, lines 8–9). It is an ordinary run warm-started from the finished one, so it
   logs, checkpoints, resumes, plots (`unlearning.png`) and exports like any other, into its own folder.
+- **server-side removal of a client** (`remove_client`, F²L² runs): one Newton step on the server's
+  own data, no message to any client (`hf_fedtask.strategies.f2l2`); or, as the baseline the paper
+  compares with, stochastic gradient ascent on the client's own data (`method="sga"`, one message).
 - **one-shot** (`negate_task`): subtract the task's vector, scaled, from the merged model:
   θ' = θ − λ·τ_task, where τ_task is the task's accumulated share of the run's updates to the
   shared modules (recorded with `track_task_vectors`) or a task vector the caller gives (a PEFT
@@ -144,3 +147,92 @@ def _task_vector(state, task: str, source: str | Path | None, env) -> TaskVector
         raise ConfigError(f"{source}: lacks the run's PEFT module key {missing[0]!r}")
     tensors = given.tensors.filter(lambda k: k in shared)
     return tensors if given.delta else tensors - env.origin
+
+
+REMOVAL_METHODS = ("f2l2", "sga")
+REMOVED_MODEL = "model.safetensors"
+"""The model after a removal (shared modules and head, PEFT saved names), beside the exports."""
+
+
+def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2: float | None = None,
+                  gradient: str = "target", iterations: int = 200, tolerance: float = 1e-6, sga_epochs: float = 1.0,
+                  sga_lr: float = 1e-3, output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
+    """Remove client `client` from a finished F²L² run in one step and write the result (evaluated,
+    exported, carded) to `output_dir` (default `<run_dir>-remove-client<K>-<method>`).
+
+    `f2l2`: w₋ = w* − (H_s + λI)⁻¹·g₋ on the server alone (`F2L2.remove_client`; `l2` λ, `gradient`
+    the form of g₋, CG `iterations` and `tolerance`). `sga`: the client runs `sga_epochs` of
+    stochastic gradient ascent (SGD, `sga_lr`) on its own data's loss from w*. Returns the results,
+    whose `unlearning` entry holds the metrics before and after, the wall time, one training round's
+    median time and the number of client messages the removal took; the model itself is also saved
+    as `REMOVED_MODEL`."""
+    import statistics
+    import time
+
+    if method not in REMOVAL_METHODS:
+        raise ConfigError(f"unknown removal method {method!r}; choose one of {', '.join(REMOVAL_METHODS)}")
+    finished = open_finished_run(run_dir)
+    run_dir, env, state = finished.run_dir, finished.env, finished.state
+    strategy = env.strategy
+    if not hasattr(strategy, "remove_client"):
+        raise ConfigError(f"strategy {strategy.name!r} has no server-side removal (run strategy f2l2); "
+                          "remove a client of a FedAvg-family run with `unlearn --client K --rounds R`")
+    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-remove-client{client}-{method}")
+    if out.resolve() == run_dir.resolve():
+        raise OutputDirError(f"{out}: removal writes a new folder; choose an output dir other than the original run")
+    config = dataclasses.replace(load_run_config(run_dir), output_dir=str(out))
+    check_output_dir(config, resume=False, overwrite=overwrite)
+    server = Server(env)
+    before = server.evaluate(state, stores=finished.stores)
+    start = time.perf_counter()
+    if method == "f2l2":
+        removal = strategy.remove_client(state, env, client, l2=l2, gradient=gradient, iterations=iterations,
+                                         tolerance=tolerance)
+        new_state, messages = removal.state, 0
+        details = {"l2": removal.l2, "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
+                   "relative_residual": removal.relative_residual, "step_norm": removal.step_norm}
+        how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:g} and the {removal.gradient} "
+               f"form of g, solved by conjugate gradient ({removal.cg_iterations} iterations, relative residual "
+               f"{removal.relative_residual:.1e}); no client was contacted (F²L²)")
+    else:
+        new_state, messages = _gradient_ascent(strategy, state, env, client, sga_epochs, sga_lr), 1
+        details = {"sga_epochs": sga_epochs, "sga_lr": sga_lr}
+        how = (f"{sga_epochs:g} epoch(s) of stochastic gradient ascent (lr {sga_lr:g}) by the client on its own data "
+               "(the SGA baseline)")
+    seconds = time.perf_counter() - start
+    after = server.evaluate(new_state, stores=finished.stores)
+    record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
+    results = summarize_results(env, new_state, [*finished.history, record])
+    trained = [r["seconds"] for r in finished.history if r.get("kind", "train") == "train" and "seconds" in r]
+    results["unlearning"] = {"method": method, "how": how, "tasks": [], "forgotten_clients": [client],
+                             "before": before, "after": after, "seconds": seconds,
+                             "round_seconds": statistics.median(trained) if trained else None,
+                             "client_messages": messages, **details}
+    with folder_lock(out):
+        check_output_dir(config, resume=False, overwrite=overwrite)
+        out = claim_output_dir(config, overwrite=overwrite)
+        export_adapters(run_export(env, finished.stores), new_state, results, out)
+        write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+        task = env.tasks[0].name
+        TaskVector({**new_state.vectors[SHARED], **new_state.vectors[head_name(task)]}).save(out / REMOVED_MODEL)
+    return results
+
+
+def _gradient_ascent(strategy, state, env, client: int, epochs: float, lr: float):
+    """The SGA baseline: the client ascends its own data's loss (the run's training objective, from
+    w*, in the run's linearized model) with SGD; returns the new state."""
+    from hf_fedtask.client.objectives import GradientAscent, OneHotMSE
+    from hf_fedtask.client.trainer import LocalTrainer
+    from hf_fedtask.core.state import GlobalState
+
+    data = env.client_data(client)
+    (task,) = sorted(data)
+    w = TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
+    args = dataclasses.replace(env.trainer.args, epochs=epochs, max_steps=-1, learning_rate=lr, optim="sgd",
+                               lr_scheduler="constant", warmup_steps=0, weight_decay=0.0)
+    trained, _ = LocalTrainer(env.host, args).train(w, data[task], seed=env.config.seed,
+                                                    objectives=[GradientAscent(OneHotMSE())],
+                                                    linearize_at=strategy.linearization_point(state, task))
+    shared = state.vectors[SHARED]
+    vectors = {SHARED: trained.filter(lambda k: k in shared), head_name(task): trained.filter(lambda k: k not in shared)}
+    return GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))

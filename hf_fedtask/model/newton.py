@@ -1,0 +1,136 @@
+"""Second-order pieces of F²L²'s removal step (Jin et al., 2023) for a model linearized around w₀
+(`hf_fedtask.model.linearize`, whole network), with the loss of its training, the squared error
+against one-hot targets summed over classes and averaged over samples (`OneHotMSE`):
+
+    D(w)  = (1/n)·Σ_x ‖f_lin(x; w) − onehot(y)‖²          data term
+    ∇D(w) = (2/n)·Σ_x J(x)ᵀ(f_lin(x; w) − onehot(y))     `data_gradient`
+    H·v   = (2/n)·Σ_x J(x)ᵀJ(x)·v                        `gauss_newton_product` (exact: D is quadratic)
+
+H·v costs one forward pass with a jvp (J·v) and one backward pass (Jᵀ·), never the P × P matrix;
+`conjugate_gradient` solves (H + λI)·v = g with these products (`GaussNewton`). Vectors are `TaskVector`s of the
+trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and
+the Hessian-free libraries around are unmaintained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.model.host import PeftHost
+
+
+def _batches(host: PeftHost, data: Dataset, batch_size: int):
+    for batch in DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator):
+        labels = batch.pop("labels")
+        yield batch, labels
+
+
+def _gradients(host: PeftHost) -> TaskVector:
+    params = host.trainable_by_name()
+    return TaskVector({k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                       for k, p in params.items()})
+
+
+def data_gradient(host: PeftHost, state: TaskVector, point: TaskVector, data: Dataset,
+                  batch_size: int = 128) -> tuple[TaskVector, float]:
+    """(∇D(w), D(w)) at w = `state` for the model linearized at `point`, over prepared `data` (eval mode)."""
+    n = len(data)
+    with host.loaded(state, point) as model:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        with torch.enable_grad():
+            for inputs, labels in _batches(host, data, batch_size):
+                logits = model(**inputs).logits
+                loss = ((logits - F.one_hot(labels, logits.shape[-1]).to(logits.dtype)) ** 2).sum() / n
+                loss.backward()
+                total += float(loss.detach())
+        grads = _gradients(host)
+        model.zero_grad(set_to_none=True)
+    return grads, total
+
+
+class GaussNewton:
+    """v ↦ H·v over prepared `data`, H the Hessian of D (independent of w for the linearized model).
+    Used as a context manager: the model is linearized at `point` and the data collated once, and
+    each product only moves the live parameters to point + v."""
+
+    def __init__(self, host: PeftHost, point: TaskVector, data: Dataset, batch_size: int = 512):
+        self.host, self.point, self.n = host, point, len(data)
+        self.batches = [inputs for inputs, _ in _batches(host, data, batch_size)]
+
+    def __enter__(self) -> GaussNewton:
+        self._context = self.host.loaded(self.point, self.point)
+        self.model = self._context.__enter__()
+        self.model.eval()
+        self.params = self.host.trainable_by_name()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self._context.__exit__(*exc)
+
+    def __call__(self, v: TaskVector) -> TaskVector:
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(self.point[k] + v[k])
+        self.model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            for inputs in self.batches:
+                jv = self.model.tangent_logits(inputs)  # J·v, since the model sits at point + v
+                ((jv ** 2).sum() / self.n).backward()  # gradient (2/n)·Jᵀ(J·v)
+        return _gradients(self.host)
+
+
+def gauss_newton_product(host: PeftHost, point: TaskVector, v: TaskVector, data: Dataset,
+                         batch_size: int = 512) -> TaskVector:
+    """H·v once (`GaussNewton` for many products)."""
+    with GaussNewton(host, point, data, batch_size) as product:
+        return product(v)
+
+
+@dataclass
+class SolveInfo:
+    """How a conjugate-gradient solve ended: iterations and the relative residual ‖b − A·x‖ / ‖b‖."""
+
+    iterations: int
+    relative_residual: float
+
+
+def conjugate_gradient(apply: Callable[[TaskVector], TaskVector], b: TaskVector, *, damping: float = 0.0,
+                       iterations: int = 100, tolerance: float = 1e-6) -> tuple[TaskVector, SolveInfo]:
+    """x with (A + damping·I)·x = b for a symmetric positive semi-definite A given as `apply`
+    (Hestenes-Stiefel CG, from x = 0), stopping when ‖r‖ ≤ tolerance·‖b‖; the residual reported is
+    recomputed from x (one more product)."""
+    def product(p: TaskVector) -> TaskVector:
+        return apply(p) + p * damping if damping else apply(p)
+
+    b_norm = b.norm()
+    x = b.zeros_like()
+    if b_norm == 0:
+        return x, SolveInfo(0, 0.0)
+    r, p = b.clone(), b.clone()
+    rs = r.dot(r)
+    done = 0
+    for done in range(1, iterations + 1):
+        ap = product(p)
+        curvature = p.dot(ap)
+        if curvature <= 0:  # numerically singular along p (damping 0): stop with what we have
+            break
+        alpha = rs / curvature
+        x = x + p * alpha
+        r = r - ap * alpha
+        rs_new = r.dot(r)
+        if rs_new ** 0.5 <= tolerance * b_norm:
+            break
+        p = r + p * (rs_new / rs)
+        rs = rs_new
+    residual = (b - product(x)).norm() / b_norm
+    return x, SolveInfo(done, float(residual))

@@ -1,0 +1,266 @@
+"""F²L², Forgettable Federated Linear Learning (Jin, Chen, Yang, Li and Li, 2023): federated linear
+training, then certified removal of a client by one Newton step computed on the server alone.
+
+    round 1 starts   the server pretrains w₀ on its own slice D_s of the training data (never sent;
+                     `server_fraction`, cross-entropy, Adam) and keeps w₀ as the linearization point
+    rounds 1..R−1    FedAvg (n_k-weighted) of the model linearized at w₀ (whole network:
+                     f_lin(x; w) = f(x; w₀) + J(x)·(w − w₀)), trained on the squared error against
+                     one-hot targets plus (λ/2)·‖w‖² (`l2`), from w⁰ = w₀ (`start`)
+    round R          a query: each client sends g_k = ∇D_k(w*), the gradient of its data term at the
+                     final model, and n_k (the paper's last-round upload)
+    removal          `remove_client`: w₋ = w* − (H_s + λI)⁻¹·g₋, H_s the Gauss-Newton Hessian of
+                     the linearized model on D_s (exact: the loss is quadratic), solved matrix-free by
+                     conjugate gradient (`hf_fedtask.model.newton`). No message to any client.
+
+g₋ = ∇F₋(w*), the gradient of the objective without client m at w*, two ways: `retained`
+Σ_{k≠m} n_k·g_k / n₋ + λ·w*, or `target` −(n_m/n₋)·(g_m + λ·w*), equal to it when w* is a
+stationary point of the full objective (Σ_k n_k·g_k / n + λ·w* = 0). The official code
+(Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps the removal
+with λ it leaves out of g₋; `start: random` and a removal λ other than the training one reproduce it.
+One task per run (the removal acts on the shared model and that task's head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hf_fedtask.client.objectives import OneHotMSE
+from hf_fedtask.core.fields import option
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
+from hf_fedtask.strategies.base import (
+    QUERY,
+    SHARED,
+    TRAIN,
+    Capabilities,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    StrategyConfig,
+    average_heads,
+    head_name,
+    register_strategy,
+)
+from hf_fedtask.strategies.fedavg import delta_update
+
+PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
+GRADIENT_QUERY = "data_gradient"
+POINT = "linearized_at/"
+GRADIENT_FORMS = ("target", "retained")
+
+
+def gradient_name(client: int) -> str:
+    """Client `client`'s last-round gradient g_k (shared modules and head) in the final state."""
+    return f"gradient/client{client}"
+
+
+@dataclass
+class F2L2Config(StrategyConfig):
+    server_fraction: float = option(0.1, "share of each task's training split the server keeps (D_s): it pretrains "
+                                    "w₀ and approximates the removal Hessian on it; never sent", minimum=0.0,
+                                    maximum=0.9)
+    pretrain_epochs: float = option(20.0, "epochs of the server's pretraining of w₀ on D_s (cross-entropy, Adam, "
+                                    "cosine schedule; 0 = w₀ is the initialization)", minimum=0.0)
+    pretrain_lr: float = option(1e-3, "learning rate of the server's pretraining", minimum=0.0)
+    l2: float = option(0.0, "λ of the training objective's (λ/2)·‖w‖² (the official code trains with 0)", minimum=0.0)
+    start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
+                        "initialization (the official code's)", choices=("pretrained", "random"))
+
+    def validate(self) -> None:
+        if self.server_fraction <= 0:
+            raise ConfigError("f2l2: server_fraction must be > 0 (the server pretrains and approximates the "
+                              "Hessian on its own data)")
+
+
+@dataclass
+class RemovalResult:
+    """What `F2L2.remove_client` did: the new state and how the solve went."""
+
+    state: GlobalState
+    client: int
+    l2: float
+    gradient: str
+    cg_iterations: int
+    relative_residual: float
+    step_norm: float
+    gradient_norm: float
+
+
+@register_strategy
+class F2L2(Strategy):
+    name = "f2l2"
+    paper = "Jin, Chen, Yang, Li and Li, Forgettable Federated Linear Learning with Certified Data Removal, 2023"
+    config_class = F2L2Config
+    capabilities = Capabilities(linearized=True, exports=("adapters", "linearized"), personalization=False,
+                                phases=(PRETRAIN, LINEAR, GRADIENTS, DONE))
+
+    def __init__(self, config=None, **options):
+        super().__init__(config, **options)
+        self.total_rounds: int | None = None
+
+    @property
+    def server_fraction(self) -> float:
+        return self.config.server_fraction
+
+    def check_run(self, config) -> None:
+        """Refuses what F²L² cannot do, and takes the run's length: its last round is the gradient query."""
+        if config.participation < 1:
+            raise ConfigError(f"strategy 'f2l2' needs every client in every round (participation 1, got "
+                              f"{config.participation}): the removal needs each client's last-round gradient")
+        if config.rounds < 2:
+            raise ConfigError(f"strategy 'f2l2' needs rounds >= 2 (training rounds, then the gradient round), "
+                              f"got {config.rounds}")
+        tasks = config.tasks or []
+        if config.suite or len(tasks) != 1:
+            raise ConfigError("strategy 'f2l2' trains one task per run: give `tasks` with one task and no suite")
+        self.total_rounds = config.rounds
+
+    # -- state -------------------------------------------------------------------------------------
+    def phase(self, state: GlobalState) -> str:
+        return state.scalars.get("phase", PRETRAIN)
+
+    def init_state(self, host, tasks, seed, allocation) -> GlobalState:
+        state = super().init_state(host, tasks, seed, allocation)
+        state.scalars["phase"] = PRETRAIN
+        return state
+
+    def state_template(self, initial: GlobalState, scalars: dict) -> GlobalState:
+        phase = scalars.get("phase", PRETRAIN)
+        if phase == PRETRAIN:
+            return initial
+        vectors = {**initial.vectors, **_point_of(initial)}
+        if phase == DONE:
+            model = self._model(initial)
+            vectors.update({gradient_name(int(c)): model for c in scalars.get("gradient_samples", {})})
+        return GlobalState(initial.round, vectors, dict(scalars))
+
+    def _task(self, state: GlobalState) -> str:
+        return sorted({t for tasks in state.allocation.values() for t in tasks})[0]
+
+    def _model(self, state: GlobalState, prefix: str = "") -> TaskVector:
+        """w: the shared modules and the task's head as one vector (saved names)."""
+        return TaskVector({**state.vectors[prefix + SHARED], **state.vectors[prefix + head_name(self._task(state))]})
+
+    def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
+        if self.phase(state) == PRETRAIN:
+            return None
+        return TaskVector({**state.vectors[POINT + SHARED], **state.vectors[POINT + head_name(task)]})
+
+    # -- the server's own work -----------------------------------------------------------------------
+    def server_step(self, state: GlobalState, env) -> GlobalState:
+        """Round 1: pretrain w₀ on D_s and keep it as the linearization point."""
+        if self.phase(state) != PRETRAIN:
+            return state
+        from hf_fedtask.client.trainer import LocalTrainer
+
+        task = self._task(state)
+        w0 = self._model(state)
+        c = self.config
+        if c.pretrain_epochs > 0:
+            args = dataclasses.replace(env.trainer.args, epochs=c.pretrain_epochs, max_steps=-1, learning_rate=c.pretrain_lr,
+                                       optim="adamw_torch", lr_scheduler="cosine", warmup_steps=0, weight_decay=0.0)
+            w0, _ = LocalTrainer(env.host, args).train(w0, env.server_data(task), seed=env.config.seed)
+        shared, head = state.vectors[SHARED], head_name(task)
+        point = {POINT + SHARED: w0.filter(lambda k: k in shared), POINT + head: w0.filter(lambda k: k not in shared)}
+        vectors = dict(point)
+        if c.start == "pretrained":  # w⁰ = w₀; otherwise training starts from the initialization
+            vectors.update({SHARED: point[POINT + SHARED], head: point[POINT + head]})
+        return GlobalState(state.round, {**state.vectors, **vectors}, {**state.scalars, "phase": LINEAR})
+
+    # -- communication -----------------------------------------------------------------------------
+    def message_kind(self, state: GlobalState) -> str:
+        phase = self.phase(state)
+        if phase == DONE:
+            raise ConfigError("f2l2: the run ended with its gradient round; more rounds would make the clients' "
+                              "gradients stale (start a new run)")
+        return QUERY if phase == GRADIENTS else TRAIN
+
+    def query_name(self, state: GlobalState) -> str:
+        return GRADIENT_QUERY if self.phase(state) == GRADIENTS else ""
+
+    def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        """w and the linearization point w₀ (clients cannot rebuild w₀: D_s is the server's)."""
+        model = super().downlink(state, client_id, tasks)
+        return {**model, **{POINT + k: state.vectors[POINT + k] for k in model}}
+
+    def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        if self.phase(state) == GRADIENTS:
+            return {"gradient": self._model(state)}
+        return super().downlink(state, client_id, tasks)
+
+    # -- client ------------------------------------------------------------------------------------
+    def client_update(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
+        def options(task: str) -> dict:
+            point = TaskVector({**downlink[POINT + SHARED], **downlink[POINT + head_name(task)]})
+            return {"linearize_at": point, "objectives": [OneHotMSE(l2=self.config.l2)]}
+
+        model = {k: v for k, v in downlink.items() if not k.startswith(POINT)}
+        return delta_update(model, job, trainer, options=options)
+
+    def client_query(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
+        if job.query != GRADIENT_QUERY:
+            raise ConfigError(f"f2l2: unknown query {job.query!r}")
+        from hf_fedtask.model.newton import data_gradient
+
+        (task,) = job.tasks
+        w = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
+        point = TaskVector({**downlink[POINT + SHARED], **downlink[POINT + head_name(task)]})
+        gradient, loss = data_gradient(trainer.host, w, point, job.data[task])
+        return ClientUpdate(job.client_id, job.round, {"gradient": gradient}, job.num_samples(), {"data_loss": loss})
+
+    # -- server ------------------------------------------------------------------------------------
+    def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        if self.phase(state) == GRADIENTS:
+            vectors = {gradient_name(u.client_id): u.vectors["gradient"] for u in updates}
+            samples = {str(u.client_id): u.total_samples for u in updates}
+            return state.next(vectors, phase=DONE, gradient_samples=samples)
+        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        vectors = {SHARED: state.vectors[SHARED] + mean, **average_heads(state, updates)}
+        last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
+        return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)
+
+    # -- removal -----------------------------------------------------------------------------------
+    def remove_client(self, state: GlobalState, env, client: int, *, l2: float | None = None, gradient: str = "target",
+                      iterations: int = 200, tolerance: float = 1e-6) -> RemovalResult:
+        """w₋ = w* − (H_s + λI)⁻¹·g₋ from the final state and the server's data alone (no client is
+        contacted). `l2`: the λ of the step (default: the training λ); `gradient`: how g₋ is formed."""
+        from hf_fedtask.model.newton import GaussNewton, conjugate_gradient
+
+        if self.phase(state) != DONE:
+            raise ConfigError("f2l2 removal needs a finished F²L² run (its last round collects the clients' gradients)")
+        if gradient not in GRADIENT_FORMS:
+            raise ConfigError(f"unknown gradient form {gradient!r}; choose one of {', '.join(GRADIENT_FORMS)}")
+        samples = {int(c): int(n) for c, n in state.scalars["gradient_samples"].items()}
+        if client not in samples:
+            raise ConfigError(f"unknown client {client}; the run's clients with gradients are "
+                              f"{', '.join(map(str, sorted(samples)))}")
+        if len(samples) < 2:
+            raise ConfigError("f2l2 removal needs at least one client left after the removal")
+        lam_train = self.config.l2
+        lam = lam_train if l2 is None else l2
+        if lam < 0:
+            raise ConfigError(f"removal l2 must be >= 0, got {lam}")
+        w = self._model(state)
+        n_m, n_rest = samples[client], sum(samples.values()) - samples[client]
+        if gradient == "target":
+            g = (state.vectors[gradient_name(client)] + w * lam_train) * (-n_m / n_rest)
+        else:
+            g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
+                    w.zeros_like()) + w * lam_train
+        point, task = self._model(state, POINT), self._task(state)
+        with GaussNewton(env.host, point, env.server_data(task), env.config.eval_batch_size) as hessian:
+            step, info = conjugate_gradient(hessian, g, damping=lam, iterations=iterations, tolerance=tolerance)
+        removed = w - step
+        shared = state.vectors[SHARED]
+        vectors = {SHARED: removed.filter(lambda k: k in shared),
+                   head_name(task): removed.filter(lambda k: k not in shared)}
+        new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
+        return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(), g.norm())
+
+
+def _point_of(state: GlobalState) -> dict[str, TaskVector]:
+    return {POINT + k: v for k, v in state.vectors.items() if k == SHARED or k.startswith(head_name(""))}
+
