@@ -47,12 +47,35 @@ def _flower_app(args) -> int:
 
 def _unlearn(args) -> int:
     from hf_fedtask.report import unlearning_report
-    from hf_fedtask.workflows.unlearn import negate_task, unlearn
+    from hf_fedtask.workflows.unlearn import REMOVAL_METHODS, negate_task, remove_client, unlearn
 
     if args.client is not None and args.task is not None:
         raise ConfigError("unlearn: give --task or --client, not both")
     if args.client is None and args.task is None:
         raise ConfigError("unlearn: give --task T or --client K")
+    removal_flags = {"--l2": args.l2, "--gradient": args.gradient, "--cg-iterations": args.cg_iterations,
+                     "--cg-tolerance": args.cg_tolerance, "--sga-epochs": args.sga_epochs, "--sga-lr": args.sga_lr}
+    if args.method in REMOVAL_METHODS:
+        if args.client is None:
+            raise ConfigError(f"unlearn: --method {args.method} removes a client: give --client K")
+        for flag, given in (("--rounds", args.rounds is not None), ("--one-shot", args.one_shot), ("--resume", args.resume)):
+            if given:
+                raise ConfigError(f"unlearn: {flag} does not apply to --method {args.method} (one step, no rounds)")
+        own = ("--sga-epochs", "--sga-lr") if args.method == "sga" else ("--l2", "--gradient", "--cg-iterations",
+                                                                          "--cg-tolerance")
+        for flag, value in removal_flags.items():
+            if value is not None and flag not in own:
+                raise ConfigError(f"unlearn: {flag} does not apply to --method {args.method}")
+        given = {k: v for k, v in dict(l2=args.l2, gradient=args.gradient, iterations=args.cg_iterations,
+                                       tolerance=args.cg_tolerance, sga_epochs=args.sga_epochs,
+                                       sga_lr=args.sga_lr).items() if v is not None}
+        results = remove_client(args.run_dir, args.client, method=args.method, output_dir=args.output_dir,
+                                overwrite=args.overwrite, **given)
+        print(unlearning_report(results))
+        return 0
+    for flag, value in removal_flags.items():
+        if value is not None:
+            raise ConfigError(f"unlearn: {flag} applies to --method f2l2 / sga only")
     if args.one_shot:
         if args.client is not None:
             raise ConfigError("unlearn: --one-shot removes a task (its recorded task vector); "
@@ -146,14 +169,17 @@ merged when their shapes agree, else it is an error; unify keeps one head per in
 compact export (hf_fedtask.load_task_adapter) plus each input's adapter under OUT/<name>/."""
 
 
-UNLEARN_HELP = """Remove a task from a finished run; the run itself is left as it is.
+UNLEARN_HELP = """Remove a task or a client from a finished run; the run itself is left as it is.
 
 Federated (--rounds R): the run continues for R rounds in which the updates of the clients that hold
 the task are negated before aggregation (NTKFedAvg, Alg. 1 lines 8-9); the others train as before.
 It is written, checkpointed (--resume), plotted (unlearning.png) and exported like any run.
 One-shot (--one-shot): θ' = θ − scale·τ_task on the merged model, τ_task being the task's share of
-the run's updates (runs with track_task_vectors: true) or --task-vector. Both print the forgotten
-task's metric and the retained tasks' before and after, and the exported cards say what was removed."""
+the run's updates (runs with track_task_vectors: true) or --task-vector.
+Server-side (--client K --method f2l2, runs of strategy f2l2): one Newton step w − (H_s + λI)⁻¹·g on
+the server's own data, solved by conjugate gradient; no client is contacted. --method sga is the
+baseline: the client ascends its own data's loss. All print the metrics before and after, and the
+exported cards say what was removed and how."""
 
 
 FLOWER_HELP = """\
@@ -213,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=_merge)
 
-    p = sub.add_parser("unlearn", help="remove a task from a finished run (federated negation or one-shot)",
+    p = sub.add_parser("unlearn", help="remove a task or a client from a finished run (negation, one-shot, F²L²)",
                        description=UNLEARN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a finished run (FedAvg family: fedavg, fedprox, ntkfedavg, ntkfedprox)")
     p.add_argument("--task", default=None, help="the task to forget")
@@ -225,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-shot: adapter folder or task-vector file (default: the run's recorded task vector)")
     p.add_argument("--output-dir", default=None, help="default: RUN_DIR-unlearn-TASK (federated), RUN_DIR-negate-TASK")
     p.add_argument("--resume", action="store_true", help="federated: continue an interrupted unlearning run")
+    p.add_argument("--method", choices=("negate", "f2l2", "sga"), default="negate",
+                   help="how a client is removed: negate (federated, --rounds), f2l2 (one Newton step on the server, "
+                        "F²L² runs), sga (gradient ascent on the client's data, the baseline)")
+    p.add_argument("--l2", type=float, default=None, help="f2l2: λ of the removal step (default: the run's removal_l2, 10)")
+    p.add_argument("--gradient", choices=("target", "retained"), default=None,
+                   help="f2l2: g from the removed client's gradient (default) or from the retained clients'")
+    p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")
+    p.add_argument("--cg-tolerance", type=float, default=None, help="f2l2: stop at this relative residual (1e-6)")
+    p.add_argument("--sga-epochs", type=float, default=None, help="sga: epochs of ascent (1)")
+    p.add_argument("--sga-lr", type=float, default=None, help="sga: learning rate (1e-3)")
     p.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")
     p.set_defaults(func=_unlearn)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
+
 ADAPTERS_DIR = "adapters"
 COMPACT_DIR = "compact"
 
@@ -71,6 +73,14 @@ def unlearning_report(results: dict) -> str:
         before = f"{u['before'][task][metric]:.4f}" if u.get("before") else "–"
         mark = " (forgotten; chance {:.3f})".format(results["tasks"][task]["chance"]) if task in u["tasks"] else ""
         lines.append(f"{task:<22}{before:>9}{u['after'][task][metric]:>9.4f}{mark}")
+        if BACKDOOR_METRIC in u["after"][task]:
+            was = f"{u['before'][task][BACKDOOR_METRIC]:.4f}" if u.get("before") else "–"
+            lines.append(f"{'  backdoor success':<22}{was:>9}{u['after'][task][BACKDOOR_METRIC]:>9.4f}")
+    if "seconds" in u:
+        per_round = f" (one training round: {u['round_seconds']:.2f} s)" if u.get("round_seconds") else ""
+        lines.append(f"removal took {u['seconds']:.2f} s{per_round} and {u['client_messages']} client message(s)")
+    if "how" in u:
+        lines.append(u["how"])
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_fedtask.core.files import remove_stale_staging
+from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
 from hf_fedtask.export.adapter import save_adapter
 from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.hub import render_model_card
@@ -121,10 +122,12 @@ def unlearning_note(results: dict) -> str | None:
     u = results.get("unlearning")
     if not u:
         return None
-    metric = {t: results["tasks"][t]["metric"] for t in u["tasks"]}
+    shown = u["tasks"] or list(results["tasks"])  # a removed client: every task's change
+    metric = {t: [results["tasks"][t]["metric"], *([BACKDOOR_METRIC] if BACKDOOR_METRIC in u["after"][t] else [])]
+              for t in shown}
     change = "; ".join(
-        f"`{t}` {metric[t]} {u['before'][t][metric[t]]:.4f} → {u['after'][t][metric[t]]:.4f}" if u.get("before")
-        else f"`{t}` {metric[t]} {u['after'][t][metric[t]]:.4f}" for t in u["tasks"])
+        f"`{t}` {m} {u['before'][t][m]:.4f} → {u['after'][t][m]:.4f}" if u.get("before")
+        else f"`{t}` {m} {u['after'][t][m]:.4f}" for t in shown for m in metric[t])
     if "how" in u:
         how = u["how"]
     elif "from_round" in u:

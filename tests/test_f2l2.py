@@ -1,0 +1,149 @@
+"""F²L²: the Gauss-Newton product and the CG solve against a direct solve, the backdoor protocol's
+data, and the whole path on real images (scikit-learn's digits, the paper's MLP): the backdoor is
+learned, removed on the server with no client message (BSR at the retraining level, clean
+accuracy within a few points of it), and the removed model exported and reloaded; plus the
+settings F²L² refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_fedtask.config import RunConfig
+from hf_fedtask.core.state import SHARED, head_name
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.data import load_task
+from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
+from hf_fedtask.engine.client import ClientRuntime
+from hf_fedtask.engine.environment import Environment
+from hf_fedtask.engine.run import run
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.export.linearized import load_linearized
+from hf_fedtask.model.newton import GaussNewton, conjugate_gradient
+from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
+
+DIGITS = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", batch_size=32,
+              learning_rate=3e-4, lr_scheduler="constant", eval_batch_size=512, seed=0)
+# measured: 3 clients, 11 rounds (10 training + the gradient round), 3 local epochs: BSR 0.99 after training
+BACKDOOR = dict(DIGITS, num_clients=3, rounds=11, local_epochs=3.0, backdoor_client=0, backdoor_trigger=3,
+                export=True, strategy="f2l2", strategy_options={"pretrain_epochs": 20})
+
+
+def _jacobian(model, inputs) -> torch.Tensor:
+    """(n·C, P) Jacobian of the logits in the trainable parameters, one backward pass per row."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    logits = model(**inputs).logits
+    rows = []
+    for i in range(logits.shape[0]):
+        for c in range(logits.shape[1]):
+            grads = torch.autograd.grad(logits[i, c], params, retain_graph=True)
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    return torch.stack(rows)
+
+
+def test_gauss_newton_products_and_cg_equal_a_direct_solve():
+    """H·v from jvp + vjp equals (2/n)·JᵀJ·v with J built row by row, and CG's solution of
+    (H + λI)·x = g equals the direct one (Woodbury: P is large, n·C small)."""
+    env = Environment(RunConfig(**DIGITS, num_clients=2, strategy="f2l2"))
+    task = env.tasks[0].name
+    point = TaskVector({**env.initial.vectors[SHARED], **env.initial_heads[task]})
+    data = env.test_data(task).select(range(6))
+    with env.host.loaded(point) as model:
+        model.eval()
+        inputs = {k: v for k, v in env.host.inputs.collator([data[i] for i in range(len(data))]).items() if k != "labels"}
+        jac = _jacobian(model, inputs).double()
+        params = env.host.trainable_by_name()
+        order = [k for k, p in params.items()]  # the live order of model.parameters() by saved name
+    assert sorted(order) == sorted(point)
+    gen = torch.Generator().manual_seed(0)
+    v = TaskVector({k: torch.randn(t.shape, generator=gen) for k, t in point.items()})
+    flat = lambda tv: torch.cat([tv[k].reshape(-1).double() for k in order])  # noqa: E731
+    n, lam = len(data), 0.5
+    with GaussNewton(env.host, point, data, batch_size=4) as hessian:
+        hv = hessian(v)
+        torch.testing.assert_close(flat(hv), 2 / n * jac.T @ (jac @ flat(v)), rtol=1e-4, atol=1e-6)
+        g = TaskVector({k: torch.randn(t.shape, generator=gen) for k, t in point.items()})
+        x, info = conjugate_gradient(hessian, g, damping=lam, iterations=300, tolerance=1e-7)
+    b = flat(g)  # (2/n·JᵀJ + λI)⁻¹·b = (b − Jᵀ(λn/2·I + JJᵀ)⁻¹J·b)/λ
+    direct = (b - jac.T @ torch.linalg.solve(lam * n / 2 * torch.eye(len(jac), dtype=torch.float64) + jac @ jac.T,
+                                             jac @ b)) / lam
+    assert info.relative_residual < 1e-5
+    torch.testing.assert_close(flat(x), direct, rtol=1e-3, atol=1e-5)
+
+
+def test_backdoor_data_carry_the_trigger_and_the_target():
+    task = load_task("digits")
+    train = task.dataset["train"].select(range(20))
+    bad = poisoned(train, task, size=2, target=0)
+    assert set(bad["label"]) == {0}
+    for row in bad:
+        assert (np.array(row["image"])[-2:, -2:] == 255).all()
+    test = backdoor_test_set(task.dataset["test"], task, size=2, target=3)
+    assert 3 not in set(test["label"]) and len(test) == sum(y != 3 for y in task.dataset["test"]["label"])
+
+
+@pytest.fixture(scope="module")
+def backdoored(tmp_path_factory):
+    root = tmp_path_factory.mktemp("f2l2")
+    trained = run(RunConfig(**BACKDOOR, output_dir=str(root / "trained")))
+    retrained = run(RunConfig(**{**BACKDOOR, "export": False}, exclude_clients=[0], output_dir=str(root / "retrain")))
+    return root, trained, retrained
+
+
+def test_f2l2_removes_the_backdoor_on_the_server_alone(backdoored, monkeypatch):
+    root, trained, retrained = backdoored
+    before, reference = trained["tasks"]["digits"], retrained["tasks"]["digits"]
+    assert before["backdoor_success_rate"] > 0.8 and reference["backdoor_success_rate"] < 0.1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a client was contacted during the removal")
+
+    monkeypatch.setattr(ClientRuntime, "handle", refuse)
+    checkpoint = (root / "trained" / "checkpoint.safetensors").read_bytes()
+    results = remove_client(root / "trained", 0, output_dir=root / "removed")
+    after, u = results["tasks"]["digits"], results["unlearning"]
+    assert u["client_messages"] == 0 and u["relative_residual"] < 1e-5
+    assert after["backdoor_success_rate"] <= reference["backdoor_success_rate"] + 0.1
+    # measured (λ = 10): clean accuracy 0.88 after the removal, 0.90 before, 0.97 retrained
+    assert after["accuracy"] > before["accuracy"] - 0.05 and abs(after["accuracy"] - reference["accuracy"]) < 0.12
+    assert (root / "trained" / "checkpoint.safetensors").read_bytes() == checkpoint  # the run is left as it is
+
+    # the removed model is exported and reloads: the linearized package predicts what was evaluated
+    env = Environment(RunConfig(**BACKDOOR, output_dir=str(root / "x")))
+    model = load_linearized(root / "removed" / "linearized" / "digits")
+    loader = torch.utils.data.DataLoader(env.test_data("digits"), batch_size=128, collate_fn=env.host.inputs.collator)
+    with torch.no_grad():
+        preds = torch.cat([model(**{k: v for k, v in b.items() if k != "labels"}).logits.argmax(-1) for b in loader])
+    assert float(np.mean(preds.numpy() == np.asarray(env.test_data("digits")["labels"]))) == pytest.approx(after["accuracy"])
+    card = (root / "removed" / "adapters" / "digits" / "README.md").read_text()
+    assert "Unlearned client(s) 0" in card and "no client was contacted" in card
+    saved = TaskVector.load(root / "removed" / REMOVED_MODEL)
+    assert set(saved) == set(env.initial.vectors[SHARED]) | set(env.initial.vectors[head_name("digits")])
+    assert json.loads((root / "removed" / "results.json").read_text())["unlearning"]["forgotten_clients"] == [0]
+
+
+def test_the_retained_gradient_form_and_sga_are_there_to_compare(backdoored):
+    root, _, retrained = backdoored
+    sga = remove_client(root / "trained", 0, method="sga", sga_lr=1e-2, output_dir=root / "sga")
+    assert sga["unlearning"]["client_messages"] == 1
+    retained = remove_client(root / "trained", 0, gradient="retained", output_dir=root / "retained")
+    assert retained["unlearning"]["gradient"] == "retained" and retained["unlearning"]["client_messages"] == 0
+
+
+def test_f2l2_refusals(tmp_path, backdoored):
+    with pytest.raises(ConfigError, match="one task per run"):
+        run(RunConfig(**{**BACKDOOR, "tasks": ["digits", "digits"]}, output_dir=str(tmp_path / "a")))
+    with pytest.raises(ConfigError, match="participation 1"):
+        run(RunConfig(**BACKDOOR, participation=0.5, output_dir=str(tmp_path / "b")))
+    with pytest.raises(ConfigError, match="server_fraction must be > 0"):
+        RunConfig(**{**BACKDOOR, "strategy_options": {"server_fraction": 0.0}})
+    root = backdoored[0]
+    with pytest.raises(ConfigError, match="unknown client 7"):
+        remove_client(root / "trained", 7, output_dir=tmp_path / "c")
+    with pytest.raises(ConfigError, match="unknown removal method"):
+        remove_client(root / "trained", 0, method="magic", output_dir=tmp_path / "d")
+    assert not any((tmp_path / name).exists() for name in "abcd")
