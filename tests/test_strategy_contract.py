@@ -29,7 +29,7 @@ from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 from hf_fedtask.engine.inprocess import Federation
 from hf_fedtask.engine.run import restore, run
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.strategies import STRATEGIES, Capabilities, ClientJob, GlobalState, build_strategy_config
+from hf_fedtask.strategies import QUERY, STRATEGIES, Capabilities, ClientJob, GlobalState, build_strategy_config
 
 EXPORT_DIRS = {"adapters": "adapters", "compact": "compact", "multi_adapter": "multi_adapter",
                "linearized": "linearized", "tct": "tct"}
@@ -39,8 +39,12 @@ EXPORT_DIRS = {"adapters": "adapters", "compact": "compact", "multi_adapter": "m
 # linearized at the pretrained point)
 # (options, run settings) a strategy requires (it refuses the defaults): SCAFFOLD corrects SGD steps;
 # TCT needs every client every round, and here goes straight to its query and stage-2 rounds
+# F²L² trains one task with every client every round: round 1 pretrains and trains, round 2 collects gradients
+# (a callable override maps the default setting)
 REQUIRED = {"scaffold": ({}, {"optimizer": "sgd"}),
-            "tct": ({"stage1_rounds": 0, "num_features": 64, "stage2_steps": 5}, {"participation": 1.0})}
+            "tct": ({"stage1_rounds": 0, "num_features": 64, "stage2_steps": 5}, {"participation": 1.0}),
+            "f2l2": ({"pretrain_epochs": 1.0, "server_fraction": 0.2},
+                     {"participation": 1.0, "tasks": lambda tasks: tasks[:1]})}
 VARIANTS = [(name, name, *REQUIRED.get(name, ({}, {}))) for name in sorted(STRATEGIES)] + [
     ("matu-zeta", "matu", {}, {"zeta": 0.5}),
     ("fedyolo-half", "fedyolo", {"share": "half"}, {}),
@@ -54,6 +58,7 @@ def _config(tiny_bert_dir, tiny_tasks_dir, output_dir, strategy, options, overri
                     base_model_id="hf-fedtask-tests/tiny-bert", num_clients=4, rounds=2, participation=0.5,
                     batch_size=8, local_steps=1, learning_rate=1e-2, max_length=16, min_samples=4,
                     output_dir=str(output_dir))
+    overrides = {k: v(settings[k]) if callable(v) else v for k, v in overrides.items()}
     return RunConfig(strategy=strategy, strategy_options=dict(options), **{**settings, **overrides})
 
 
@@ -117,9 +122,11 @@ def hand_round(runs) -> HandRound:
     for c in clients:
         sent = pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes()
         downlink = unpack_vectors(TaskVector.from_bytes(sent, source=f"downlink to client {c}"))
+        query = strategy.query_name(state) if strategy.message_kind(state) == QUERY else ""
         job = ClientJob(client_id=c, round=2, data=fed.client_data(c), seed=runs.config.seed, origin=fed.origin,
-                        initial_heads=fed.initial_heads, store=stores.setdefault(c, {}))
-        updates[c] = strategy.client_update(downlink, job, fed.trainer)
+                        initial_heads=fed.initial_heads, store=stores.setdefault(c, {}), query=query)
+        answer = strategy.client_query if query else strategy.client_update
+        updates[c] = answer(downlink, job, fed.trainer)
         templates[c] = strategy.update_templates(state, c, allocation[c])
         parsed[c] = ClientUpdate.from_bytes(updates[c].to_bytes(**header), templates=templates[c], expect=header,
                                             source=f"client {c} (round 2)")
