@@ -123,10 +123,13 @@ def reference_run(tmp_path):
     ("fedper", {}, {}),  # client evaluation, and a private store kept in each node's state
     ("matu", {"kappa": 1}, {"zeta": 0.5, "num_clients": 5}),
     ("fedyolo", {}, {"rounds": 1}),
+    # the server's own pretraining, a linearized model, and the clients' gradients in a query round
+    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2}, {"one_task": True}),
 ])
 def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny_bert_dir, tiny_tasks_dir, tmp_path,
                                               reference_run):
-    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", strategy, options, **overrides)
+    tasks = tiny_tasks_dir[:1] if overrides.pop("one_task", False) else tiny_tasks_dir
+    config = tiny(tiny_bert_dir, tasks, tmp_path / "flower", strategy, options, **overrides)
     grid = drive(config)
     assert_same_run(reference_run(config), tmp_path / "flower", grid.stores())
     kinds = set(grid.message_types)
