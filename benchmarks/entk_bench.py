@@ -51,7 +51,9 @@ def measure(name: str, config: RunConfig, n: int, p: int, repeats: int, batch_si
     env = Environment(config)
     task = env.tasks[0].name
     state = TaskVector({**env.initial.vectors[SHARED], **env.initial_heads[task]})
-    data = env.test_data(task).select(range(n))
+    data = env.test_data(task)
+    n = min(n, len(data))  # the task's test split may be smaller
+    data = data.select(range(n))
     index = coordinate_subset(state.numel(), p, seed=123)
     entk_features(env.host, state, data.select(range(min(n, 8))), index, batch_size=batch_size)  # warm both up:
     per_sample_loop(env.host, state, data.select(range(min(n, 8))), index)  # one-time costs are not throughput
