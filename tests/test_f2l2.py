@@ -7,7 +7,6 @@ settings F²L² refuses."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -227,11 +227,13 @@ class F2L2(Strategy):
 
     # -- removal -----------------------------------------------------------------------------------
     def remove_client(self, state: GlobalState, env, client: int, *, l2: float | None = None, gradient: str = "target",
-                      iterations: int = 200, tolerance: float = 1e-6) -> RemovalResult:
+                      iterations: int = 200, tolerance: float = 1e-6, hessian_data=None) -> RemovalResult:
         """w₋ = w* − (H_s + λI)⁻¹·g₋ from the final state and the server's data alone (no client is
         contacted). `l2`: the λ of the step (default `removal_l2`); `gradient`: how g₋ is formed (the
         target form by default: the retained form left the backdoor in place in every measurement,
-        since federated training never reaches the stationary point it assumes)."""
+        since federated training never reaches the stationary point it assumes). `hessian_data`: prepared
+        data to build H from instead of D_s, for measurement only (the retained clients' data give the
+        step the approximation H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import GaussNewton, conjugate_gradient
 
         if self.phase(state) != DONE:
@@ -256,7 +258,8 @@ class F2L2(Strategy):
             g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
                     w.zeros_like()) + w * lam_train
         point, task = self._model(state, POINT), self._task(state)
-        with GaussNewton(env.host, point, env.server_data(task), env.config.eval_batch_size) as hessian:
+        data = env.server_data(task) if hessian_data is None else hessian_data
+        with GaussNewton(env.host, point, data, env.config.eval_batch_size) as hessian:
             step, info = conjugate_gradient(hessian, g, damping=lam, iterations=iterations, tolerance=tolerance)
         removed = w - step
         shared = state.vectors[SHARED]
