@@ -129,10 +129,11 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ref = rows["retrained"]
-    lines = [f"**{task}, {base.num_clients} IID clients (client {target} backdoored: {base.backdoor_trigger}×"
-             f"{base.backdoor_trigger} trigger, label {base.backdoor_target}), MLP linearized at the server's "
-             f"pretrained w₀, {base.rounds - 1} training rounds + the gradient round; one training round "
-             f"{round_s:.2f} s**", "",
+    trigger = (f"{base.backdoor_trigger}×{base.backdoor_trigger} white square" if env.host.inputs.modality == "image"
+               else f"{base.backdoor_trigger} trigger word(s) 'cf'")
+    lines = [f"**{task}, {base.num_clients} IID clients (client {target} backdoored: {trigger}, label "
+             f"{base.backdoor_target}), {base.base_model} ({base.peft_method}) linearized at the server's pretrained "
+             f"w₀, {base.rounds - 1} training rounds + the gradient round; one training round {round_s:.2f} s**", "",
              "| model | TA % | BSR % (test) | BSR % (client's poisoned set) | ΔTA to retrain | ΔBSR to retrain "
              "| ‖w − w_retrain‖ | removal time / round | client messages |",
              "|---|---|---|---|---|---|---|---|---|"]
