@@ -2,7 +2,7 @@
 on the server alone, against retraining without it and the baselines.
 
     apt-get install dataset-fashion-mnist          # the data, offline (or the Hub copy, online)
-    python recipes/f2l2_backdoor.py                # Fashion-MNIST, the paper's MLP, 5 IID clients
+    python recipes/f2l2_backdoor.py                # Fashion-MNIST, the paper's MLP, 3 IID clients
     python recipes/f2l2_backdoor.py --tasks digits --backdoor-trigger 3 --num-clients 3 --rounds 11 --local-epochs 3
 
 Client 0's training data all carry a white square at the bottom right (`--backdoor-trigger` pixels)
@@ -50,12 +50,12 @@ DEFAULTS = {
     "base_model": "hf-fedtask/small-mlp",
     "peft_method": "full",
     "strategy": "f2l2",
-    "num_clients": 5,
+    "num_clients": 3,  # measured: with 5 clients (30 rounds, 1 local epoch) the backdoor plateaued at BSR ≈ 50%
     "partition": "iid",
-    "rounds": 31,  # 30 training rounds and the gradient round
+    "rounds": 21,  # 20 training rounds and the gradient round
     "max_train_samples": 20000,
     "max_test_samples": 2000,
-    "local_epochs": 1.0,
+    "local_epochs": 2.0,
     "batch_size": 32,
     "optimizer": "adamw_torch",
     "learning_rate": 3e-4,

@@ -128,3 +128,31 @@ def test_fedyolo_recipe_tables_communication_and_personalization(tiny_bert_dir, 
     full = json.loads((out / "2_tasks" / "full_fedavg" / "results.json").read_text())
     modular = json.loads((out / "2_tasks" / "modular_fedavg" / "results.json").read_text())
     assert full["params_uplink"] > 100 * modular["params_uplink"]
+
+
+def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
+    """The backdoor recipe end to end on digits at a few rounds: every row, the removals' zero (F²L²)
+    and one (SGA) client messages, the distance split, the plot."""
+    out = tmp_path / "f2l2"
+    flags = ["--tasks", "digits", "--backdoor-trigger", "3", "--rounds", "3", "--local-epochs", "1",
+             "--output-dir", str(out)]
+    assert load_recipe("f2l2_backdoor").main(flags) == 0
+    table = json.loads((out / "f2l2_backdoor.json").read_text())
+    rows = table["rows"]
+    assert list(rows)[:2] == ["trained", "retrained"] and rows["retrained"]["distance_to_retrain"] == 0
+    assert rows["f2l2 (λ=10)"]["messages"] == 0 and rows["SGA"]["messages"] == 1
+    assert table["decomposition"]["lambda"] == 10
+    assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
+
+
+def test_tct_text_recipe_reports_accuracy_and_costs(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    out = tmp_path / "tct"
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--participation", "1", "--rounds", "3", "--tct-stage1",
+                                                              "1", "--tct-features", "64", "--tct-steps", "5",
+                                                              "--settings", "tasks", "--max-train-samples", "64"]
+    assert load_recipe("tct_text").main(flags) == 0
+    result = json.loads((out / "tct_text.json").read_text())
+    assert set(result["final"]["tasks"]) == {"fedavg", "tct_p64"}
+    cost = result["costs"]["tasks/tct_p64"]
+    assert cost["features_s"] > 0 and cost["stage2_s"] > 0
+    assert len(result["per_round"]["tasks"]["tct_p64"]) == 3 and (out / "tct_text.png").exists()
