@@ -9,7 +9,8 @@ Client 0's training data all carry a white square at the bottom right (`--backdo
 and label 0. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the
 linearized MLP, the last round collects each client's gradient) and `retrained` (the same without
 client 0). Removals of client 0 from `trained`: F²L² (target and retained forms of the gradient,
-λ = 1, 10, 30) and the SGA baseline (the client ascends its own loss). Writes
+λ = 1, 10, 30) and the SGA baseline (the client ascends its own loss); the project's own removal,
+`--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered
 test images of the other classes, BSR on the client's poisoned training set as the official code
 measures it, the gaps to retraining, ‖w − w_retrain‖, removal time over one training round's, and
@@ -42,7 +43,7 @@ from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
-from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client  # noqa: E402
+from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client, unlearn  # noqa: E402
 
 DEFAULTS = {
     "tasks": ["fashion_mnist"],
@@ -82,8 +83,33 @@ def poisoned_bsr(env, state, client: int, task: str) -> float:
     return float(np.mean(preds == env.config.backdoor_target))
 
 
+def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: int) -> dict:
+    """The project's own client removal as a baseline: FedAvg trains the ordinary (non-linear) model
+    on the same data, then `rounds` more rounds negate the target client's updates (NTKFedAvg's
+    federated unlearning). Its models are not linearized at w₀, so no distance to F²L²'s retraining."""
+    config = RunConfig.from_dict({**base.to_dict(), "strategy": "fedavg", "strategy_options": {},
+                                  "output_dir": str(out / "fedavg_trained")}, source="recipe")
+    finished_results(config) or run(config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
+    negated = out / "fedavg_negated"
+    if not (negated / "results.json").exists():
+        unlearn(out / "fedavg_trained", None, rounds, client=target, output_dir=negated,
+                resume=(negated / "checkpoint.safetensors").exists())
+    rows = {}
+    for name, folder in {"FedAvg trained": out / "fedavg_trained", f"FedAvg + negation ({rounds} rounds)": negated}.items():
+        finished = open_finished_run(folder)
+        evals = Server(finished.env).evaluate(finished.state)[task]
+        rows[name] = {"ta": evals["accuracy"], "bsr": evals[BSR], "w": None,
+                      "bsr_train": poisoned_bsr(finished.env, finished.state, target, task)}
+    history = [json.loads(line) for line in (negated / "metrics.jsonl").read_text().splitlines()]
+    rows[f"FedAvg + negation ({rounds} rounds)"].update(messages=rounds * base.num_clients,
+                                                         seconds=sum(r["seconds"] for r in history[-rounds:]))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = recipe_parser(__doc__.splitlines()[0], {})
+    parser.add_argument("--negation-rounds", type=int, default=5,
+                        help="baseline: rounds of federated negation after a FedAvg run on the same data (0: skip)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -114,6 +140,8 @@ def main(argv=None) -> int:
                           "bsr_train": poisoned_bsr(env, removed_state, target, task), "w": w,
                           "seconds": u["seconds"], "messages": u["client_messages"],
                           "residual": u.get("relative_residual")}
+        if args.negation_rounds:
+            rows.update(negation_rows(base, out, target, task, args.negation_rounds))
         # the bound's two error terms, measured: the same step with the retained clients' own Hessian H₋
         # (which the server does not have) against F²L²'s H_s, and that step against retraining
         retained = [k for k in range(env.num_clients) if k != target]
@@ -140,9 +168,10 @@ def main(argv=None) -> int:
     for name, r in rows.items():
         timing = f"{r['seconds'] / round_s:.2f}" if "seconds" in r else "-"
         messages = str(r["messages"]) if "messages" in r else "-"
+        distance = f"{(r['w'] - ref['w']).norm():.2f}" if r["w"] is not None else "-"
         lines.append(f"| {name} | {100 * r['ta']:.1f} | {100 * r['bsr']:.1f} | {100 * r['bsr_train']:.1f} "
                      f"| {100 * abs(r['ta'] - ref['ta']):.1f} | {100 * abs(r['bsr'] - ref['bsr']):.1f} "
-                     f"| {(r['w'] - ref['w']).norm():.2f} | {timing} | {messages} |")
+                     f"| {distance} | {timing} | {messages} |")
     d = decomposition
     lines += ["", f"Where the distance to retraining comes from (λ = {d['lambda']:g}): ‖w_F²L² − w_exact‖ = "
               f"{d['hessian_error']:.3f} is the Hessian approximation (H_s from the server's slice instead of the "
@@ -150,7 +179,8 @@ def main(argv=None) -> int:
               f"(training not at its optimum, the damping λ); ‖w_F²L² − w_retrain‖ = {d['f2l2_to_retrain']:.3f}."]
     text = "\n".join(lines) + "\n"
     write_atomic(out / "f2l2_backdoor.md", text)
-    table = {name: {k: v for k, v in r.items() if k != "w"} | {"distance_to_retrain": (r["w"] - ref["w"]).norm()}
+    table = {name: {k: v for k, v in r.items() if k != "w"}
+             | {"distance_to_retrain": (r["w"] - ref["w"]).norm() if r["w"] is not None else None}
              for name, r in rows.items()}
     write_atomic(out / "f2l2_backdoor.json", json.dumps({"round_seconds": round_s, "rows": table,
                                                         "decomposition": decomposition}, indent=1) + "\n")

@@ -135,12 +135,13 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     and one (SGA) client messages, the distance split, the plot."""
     out = tmp_path / "f2l2"
     flags = ["--tasks", "digits", "--backdoor-trigger", "3", "--rounds", "3", "--local-epochs", "1",
-             "--output-dir", str(out)]
+             "--negation-rounds", "1", "--output-dir", str(out)]
     assert load_recipe("f2l2_backdoor").main(flags) == 0
     table = json.loads((out / "f2l2_backdoor.json").read_text())
     rows = table["rows"]
     assert list(rows)[:2] == ["trained", "retrained"] and rows["retrained"]["distance_to_retrain"] == 0
     assert rows["f2l2 (λ=10)"]["messages"] == 0 and rows["SGA"]["messages"] == 1
+    assert rows["FedAvg + negation (1 rounds)"]["messages"] == 3 and rows["FedAvg trained"]["distance_to_retrain"] is None
     assert table["decomposition"]["lambda"] == 10
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
 
