@@ -146,3 +146,18 @@ def test_f2l2_refusals(tmp_path, backdoored):
     with pytest.raises(ConfigError, match="unknown removal method"):
         remove_client(root / "trained", 0, method="magic", output_dir=tmp_path / "d")
     assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_linear_probe_runs_f2l2_and_its_removal(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    """FM-LP: `peft_method: probe` trains the head alone (nothing shared) through F²L² and the removal."""
+    config = RunConfig(strategy="f2l2", strategy_options={"pretrain_epochs": 1.0, "server_fraction": 0.2},
+                       tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir, peft_method="probe",
+                       base_model_id="hf-fedtask-tests/tiny-bert",
+                       num_clients=2, rounds=2, batch_size=8, max_length=16, min_samples=4, backdoor_client=0,
+                       backdoor_trigger=1, output_dir=str(tmp_path / "probe"))
+    env = Environment(config)
+    assert len(env.initial.vectors[SHARED]) == 0 and env.initial.vectors[head_name(env.tasks[0].name)].numel() > 0
+    run(config)
+    results = remove_client(tmp_path / "probe", 0, output_dir=tmp_path / "removed")
+    assert results["unlearning"]["client_messages"] == 0 and results["unlearning"]["relative_residual"] < 1e-5
+    assert (tmp_path / "removed" / "adapters" / env.tasks[0].name / "adapter_model.safetensors").exists()

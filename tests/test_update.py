@@ -55,3 +55,11 @@ def test_pack_unpack_keeps_names_with_slashes():
     u = _update()
     back = unpack_vectors(pack_vectors(u.vectors))
     assert list(back) == ["shared", "head/t1"] and list(back["head/t1"]) == list(u.vectors["head/t1"])
+
+
+def test_an_empty_vector_survives_the_wire():
+    """Linear probing shares no module: the empty `shared` vector must still arrive (as an empty vector)."""
+    vectors = {"shared": TaskVector({}), "head/t": TaskVector({"w": torch.ones(2, 3)})}
+    back = unpack_vectors(TaskVector.from_bytes(pack_vectors(vectors).to_bytes(), source="test"))
+    assert sorted(back) == ["head/t", "shared"] and len(back["shared"]) == 0
+    assert torch.equal(back["head/t"]["w"], vectors["head/t"]["w"])

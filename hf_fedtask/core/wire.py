@@ -11,14 +11,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import torch
+
 from hf_fedtask.core.taskvector import TaskVector, make_metadata
 
 SEPARATOR = "::"
 
 
 def pack_vectors(vectors: dict[str, TaskVector]) -> TaskVector:
-    """Several named task vectors as one flat TaskVector with keys `<name>::<key>`."""
-    return TaskVector({f"{name}{SEPARATOR}{k}": t for name, tv in vectors.items() for k, t in tv.items()})
+    """Several named task vectors as one flat TaskVector with keys `<name>::<key>`; an empty vector
+    (e.g. no shared module under linear probing) travels as the key `<name>::` with no elements."""
+    flat = {}
+    for name, tv in vectors.items():
+        if not len(tv):
+            flat[f"{name}{SEPARATOR}"] = torch.zeros(0)
+        flat.update({f"{name}{SEPARATOR}{k}": t for k, t in tv.items()})
+    return TaskVector(flat)
 
 
 def unpack_vectors(flat: TaskVector) -> dict[str, TaskVector]:
@@ -26,7 +34,9 @@ def unpack_vectors(flat: TaskVector) -> dict[str, TaskVector]:
     out: dict[str, dict] = {}
     for key, t in flat.items():
         name, _, inner = key.partition(SEPARATOR)
-        out.setdefault(name, {})[inner] = t
+        entries = out.setdefault(name, {})
+        if inner:
+            entries[inner] = t
     return {name: TaskVector(d) for name, d in out.items()}
 
 

@@ -16,7 +16,7 @@ from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import INPUT_KINDS
 from hf_fedtask.model.bottleneck import BottleneckConfig
 
-PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full")
+PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full", "probe")
 
 
 def make_peft_config(
@@ -37,7 +37,9 @@ def make_peft_config(
     hf_fedtask's Houlsby adapter (`hf_fedtask.model.bottleneck`), `r` its bottleneck width; its defaults
     cover BERT-like models and ViT. "full" trains the whole `backbone` (the classifier's trunk
     attribute, e.g. "bert") as a module to save beside the head, in a LoRA config whose target is
-    PEFT's dummy `target_modules` (no LoRA layer): full-update training that loads with stock PEFT."""
+    PEFT's dummy `target_modules` (no LoRA layer): full-update training that loads with stock PEFT.
+    "probe" trains the head alone over the frozen backbone (linear probing, F²L²'s FM-LP): the same
+    dummy-target config with only the head to save, so no module is shared."""
     if modality not in INPUT_KINDS:
         raise ConfigError(f"unknown modality {modality!r}; choose one of {', '.join(INPUT_KINDS)}")
     head = INPUT_KINDS[modality].peft_head
@@ -52,6 +54,8 @@ def make_peft_config(
             raise ConfigError("peft_method 'full' needs the base model's backbone name (e.g. backbone='bert')")
         modules = [backbone, *head.get("modules_to_save", [])]
         return LoraConfig(target_modules=DUMMY_TARGET_MODULES, **{**head, "modules_to_save": modules})
+    if method == "probe":
+        return LoraConfig(target_modules=DUMMY_TARGET_MODULES, **head)
     if method in ("prompt", "prefix") and modality != "text":
         raise ConfigError(
             f"peft_method {method!r} prepends virtual tokens and needs a text model; use lora, ia3 or bottleneck"
