@@ -143,3 +143,22 @@ def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], t
     ax.plot(rounds, retained, color="C2", linewidth=2.5, marker=".", label="retained tasks (mean; grey: each)")
     ax.axvline(start - 0.5, color="k", linestyle="--", linewidth=1, label="unlearning starts")
     return _save_round_plot(fig, ax, path, title)
+
+
+def plot_curves_by_setting(curves: dict[str, dict[str, list[float]]], titles: dict[str, str], path: Path,
+                           ylabel: str = "test accuracy (%)") -> Path:
+    """One panel per setting, one line per method over rounds (`curves[setting][method]`): the
+    per-round figure of the method-comparison recipes."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 3.4), squeeze=False)
+    for ax, (setting, by_method) in zip(axes[0], curves.items()):
+        for method, values in by_method.items():
+            ax.plot(range(1, len(values) + 1), values, label=method)
+        ax.set_title(titles[setting], fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.report import pyplot  # noqa: E402
+from hf_fedtask.report import plot_curves_by_setting  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
 
@@ -126,18 +126,7 @@ def main(argv=None) -> int:
     per_round = {s: {m: curves(out / s / m) for m in names} for s in splits}
     write_atomic(out / "tct_fmnist.json", json.dumps({"final": acc, "central": 100 * central["mean_metric"],
                                                       "per_round": per_round}, indent=1) + "\n")
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(splits), figsize=(4 * len(splits), 3.4), squeeze=False)
-    for ax, s in zip(axes[0], splits):
-        for m in names:
-            ax.plot(range(1, len(per_round[s][m]) + 1), per_round[s][m], label=m)
-        ax.set_title(SPLITS[s][0])
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "tct_fmnist.png", dpi=120)
-    plt.close(fig)
+    plot_curves_by_setting(per_round, {k: SPLITS[k][0] for k in splits}, out / "tct_fmnist.png")
     print(text)
     print(resource_report(time.perf_counter() - start))
     return 0

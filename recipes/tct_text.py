@@ -25,7 +25,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.report import pyplot  # noqa: E402
+from hf_fedtask.report import plot_curves_by_setting  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
 
@@ -107,18 +107,8 @@ def main(argv=None) -> int:
     write_atomic(out / "tct_text.md", text)
     write_atomic(out / "tct_text.json", json.dumps({"final": acc, "per_round": per_round, "costs": cost,
                                                     "fedavg_round_s": fedavg_round}, indent=1) + "\n")
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.4), squeeze=False)
-    for ax, s in zip(axes[0], settings):
-        for m in names:
-            ax.plot(range(1, len(per_round[s][m]) + 1), per_round[s][m], label=m)
-        ax.set_title(SETTINGS[s][0], fontsize=9)
-        ax.set_xlabel("round")
-        ax.set_ylabel("mean test accuracy (%)")
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "tct_text.png", dpi=120)
-    plt.close(fig)
+    plot_curves_by_setting(per_round, {k: SETTINGS[k][0] for k in settings}, out / "tct_text.png",
+                           ylabel="mean test accuracy (%)")
     print(text)
     print(resource_report(time.perf_counter() - start))
     return 0
