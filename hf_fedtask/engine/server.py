@@ -72,6 +72,9 @@ class Server:
         if self.strategy.uses_secure_aggregation() and self.clients_per_round < 2:
             raise ConfigError(f"secure_aggregation needs at least 2 clients per round, this run samples "
                               f"{self.clients_per_round}: raise participation or num_clients")
+        if self.config.backdoor_client >= 0 and self.strategy.capabilities.client_evaluation:
+            raise ConfigError(f"backdoor_client: strategy {self.strategy.name!r} evaluates on its clients, where the "
+                              "backdoor success rate is not measured; use a strategy evaluated on the server")
         names = {t.name for t in self.env.tasks}
         unknown = [t for t in self.forgotten_tasks if t not in names]
         if unknown:

@@ -32,6 +32,7 @@ import torch
 from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import agreement_mask, sign_similarity, unify
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.merge.unify import RESCALERS
@@ -132,6 +133,11 @@ class MaTU(Strategy):
     capabilities = Capabilities(exports=("adapters", "compact"))
 
     # -- state ---------------------------------------------------------------------------------
+    def check_run(self, config) -> None:
+        if config.peft_method == "probe":
+            raise ConfigError("strategy 'matu' unifies the task vectors of shared modules; peft_method 'probe' "
+                              "shares none (use lora, ia3, bottleneck, prompt or full)")
+
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)  # SHARED holds θ_p and never moves
         zero = state.vectors[SHARED].zeros_like()
