@@ -128,6 +128,15 @@ def _push(args) -> int:
     return 0
 
 
+def _cache_backbone(args) -> int:
+    from hf_fedtask.model.hub_cache import UPSTREAM_REPO, place_embedded_backbone
+
+    placement = place_embedded_backbone(args.cache_dir)
+    kept = "" if placement.added else " (already there; nothing changed)"
+    print(f"{UPSTREAM_REPO}: {placement.snapshot}{kept}")
+    return 0
+
+
 def _suite_export(args) -> int:
     from hf_fedtask.data import export_suite
 
@@ -282,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("folder")
     f.set_defaults(func=_flower_app)
 
+    p = sub.add_parser("cache-backbone", help="place the embedded all-MiniLM-L6-v2 into the Hugging Face cache "
+                       "under its Hub id, so stock loaders find it offline (done on first use too)")
+    p.add_argument("--cache-dir", help="a Hub cache folder (default: HF_HUB_CACHE, else HF_HOME/hub)")
+    p.set_defaults(func=_cache_backbone)
     p = sub.add_parser("suite", help="builtin task suites")
     suite_sub = p.add_subparsers(dest="suite_command", required=True)
     s = suite_sub.add_parser("export", help="save each task of a suite with datasets.save_to_disk, with its card")

@@ -16,6 +16,14 @@ for _var, _val in {
 }.items():
     os.environ.setdefault(_var, _val)
 
+import atexit  # noqa: E402
+import tempfile  # noqa: E402
+
+# the embedded backbone is placed into the Hub cache on first use: into a throwaway one, never the user's
+_HUB_CACHE = tempfile.mkdtemp(prefix="hf-fedtask-tests-hub-")
+os.environ["HF_HUB_CACHE"] = _HUB_CACHE
+atexit.register(lambda: __import__("shutil").rmtree(_HUB_CACHE, ignore_errors=True))
+
 import shutil  # noqa: E402
 
 import pytest  # noqa: E402

@@ -5,18 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from datasets import Dataset
-from sklearn.metrics import f1_score
 from torch.utils.data import DataLoader
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.metrics import compute, module_path
 from hf_fedtask.model.host import PeftHost
-
-# evaluate.load("accuracy") needs the Hub (environment-facts §8); these are the same formulas.
-METRICS = {
-    "accuracy": lambda y, p: float(np.mean(y == p)),
-    "f1_macro": lambda y, p: float(f1_score(y, p, average="macro")),
-}
 
 
 @torch.no_grad()
@@ -38,14 +31,12 @@ def predict(host: PeftHost, state: TaskVector, data: Dataset, batch_size: int = 
 def evaluate(host: PeftHost, state: TaskVector, data: Dataset, metric: str = "accuracy", batch_size: int = 128,
              linearize_at: TaskVector | None = None, linearization: str = "network") -> dict:
     """`{metric: value, "num_examples": n}` for prepared `data` (which has a `labels` column)."""
-    if metric not in METRICS:
-        raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    module_path(metric)  # an unknown metric fails before any prediction
     return score(predict(host, state, data, batch_size, linearize_at, linearization), data, metric)
 
 
 def score(preds: np.ndarray, data: Dataset, metric: str = "accuracy") -> dict:
-    """`{metric: value, "num_examples": n}` of predictions against `data`'s `labels`."""
-    if metric not in METRICS:
-        raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    """`{metric: value, "num_examples": n}` of predictions against `data`'s `labels`, computed by the
+    metric's `evaluate` module (`hf_fedtask.metrics`)."""
     labels = np.asarray(data["labels"])
-    return {metric: METRICS[metric](labels, preds), "num_examples": len(labels)}
+    return {metric: compute(metric, labels, preds), "num_examples": len(labels)}

@@ -221,7 +221,8 @@ def run_export(env: Environment, stores: dict[int, ClientStore] | None) -> RunEx
     host = env.host
     return RunExport(config=env.config, strategy=env.strategy, tasks=env.tasks,
                      peft_config=host.model.peft_config["default"], head_keys=host.head_keys,
-                     base_model_id=host.base.model_id, stores=stores)
+                     base_model_id=host.base.model_id, stores=stores,
+                     classifier_config=host.classifier_config(), processor=host.inputs.processor)
 
 
 @dataclass

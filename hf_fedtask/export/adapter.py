@@ -32,12 +32,34 @@ def check_portable_base_model_id(base_model_id: str) -> None:
         raise ValueError(f"base_model_id {base_model_id!r} is not a valid Hub model id: {err}") from None
 
 
-def _write_files(folder: Path, peft_config: PeftConfig, state_dict, base_model_id: str, card) -> None:
+CLASSIFIER_SUBFOLDER = "classifier"
+"""Where an adapter folder keeps the transformers config of the classifier it completes (label names,
+`num_labels`, architecture): `AutoConfig.from_pretrained(adapter_dir, subfolder="classifier")`. Not at
+the folder's root: a root `config.json` makes transformers treat the folder as a complete model and
+look for base weights there."""
+
+
+def classifier_config_for(base_config, label_names: list[str], base_model_id: str):
+    """A copy of the classifier's transformers config carrying `label_names` (id2label, label2id,
+    num_labels) and the base's Hub id instead of any local path."""
+    config = copy.deepcopy(base_config)
+    config.id2label = dict(enumerate(label_names))
+    config.label2id = {name: i for i, name in enumerate(label_names)}
+    config._name_or_path = base_model_id
+    return config
+
+
+def _write_files(folder: Path, peft_config: PeftConfig, state_dict, base_model_id: str, card,
+                 classifier_config=None, processor=None) -> None:
     config = copy.deepcopy(peft_config)
     config.base_model_name_or_path = base_model_id
     config.inference_mode = True  # what PeftModel.save_pretrained records
     config.save_pretrained(str(folder))
     save_file(safetensors_ready(state_dict), str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    if classifier_config is not None:
+        classifier_config.save_pretrained(str(folder / CLASSIFIER_SUBFOLDER))
+    if processor is not None:  # the tokenizer or image processor, as Trainer.save_model leaves it beside a model
+        processor.save_pretrained(str(folder))
     if card is not None:
         (folder / "README.md").write_text(str(card), encoding="utf-8")
 
@@ -49,9 +71,12 @@ def save_adapter(
     state_dict: Mapping[str, torch.Tensor],
     base_model_id: str,
     card: str | ModelCard | None = None,
+    classifier_config=None,
+    processor=None,
 ) -> Path:
-    """Write `adapter_config.json`, `adapter_model.safetensors` and, when `card` is given,
-    `README.md` to `out_dir`, and return it.
+    """Write `adapter_config.json`, `adapter_model.safetensors` and, when given, `README.md` (`card`),
+    `classifier/config.json` (`classifier_config`: label names, see `classifier_config_for`) and the
+    tokenizer or image processor files (`processor`) to `out_dir`, and return it.
 
     `state_dict` uses PEFT's saved key names, i.e. what `peft.get_peft_model_state_dict` returns
     (classification head included). `base_model_id` becomes `base_model_name_or_path` and must be a
@@ -60,7 +85,7 @@ def save_adapter(
     """
     check_portable_base_model_id(base_model_id)
     with staged_folder(Path(out_dir)) as staging:
-        _write_files(staging, peft_config, state_dict, base_model_id, card)
+        _write_files(staging, peft_config, state_dict, base_model_id, card, classifier_config, processor)
     return Path(out_dir).absolute()
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from hf_fedtask.core.files import remove_stale_staging
 from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
-from hf_fedtask.export.adapter import save_adapter
+from hf_fedtask.export.adapter import classifier_config_for, save_adapter
 from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.hub import render_model_card
 from hf_fedtask.export.linearized import save_linearized
@@ -42,6 +42,8 @@ class RunExport:
     head_keys: list[str]
     base_model_id: str
     stores: dict[int, ClientStore] | None = None  # clients' stores, when the engine held them
+    classifier_config: object | None = None  # the classifier's transformers config (labels set per task)
+    processor: object | None = None  # tokenizer or image processor, saved beside each adapter
 
 
 def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
@@ -80,8 +82,11 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         }
         cards[task.name] = render_model_card(info)
         params = spec.strategy.task_parameters(state, task.name, spec.stores)
+        labelled = (classifier_config_for(spec.classifier_config, task.label_names, spec.base_model_id)
+                    if spec.classifier_config is not None else None)
         save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
-                     base_model_id=spec.base_model_id, card=cards[task.name])
+                     base_model_id=spec.base_model_id, card=cards[task.name], classifier_config=labelled,
+                     processor=spec.processor)
         point = spec.strategy.linearization_point(state, task.name)
         if "linearized" in exports and point is not None:
             save_linearized(run_dir / LINEARIZED_DIR / task.name, peft_config=peft_config, point=point,

@@ -9,14 +9,16 @@ import numpy as np
 import torch
 
 from hf_fedtask.errors import ConfigError, FedTaskError
-from hf_fedtask.export.adapter import load_adapter_base, read_adapter_folder
+from hf_fedtask.export.adapter import CLASSIFIER_SUBFOLDER, load_adapter_base, read_adapter_folder
+from hf_fedtask.metrics import compute
 from hf_fedtask.model.backbone import load_inputs
 
 
 def load_adapter_model(adapter_dir: str | Path):
     """`(PeftModel, processor)` for an adapter folder: the base named in adapter_config.json (the
-    embedded copy for the default MiniLM), a head sized from the saved classifier weights; the
-    processor is the base model's tokenizer (text) or image processor (vision)."""
+    embedded copy for the default MiniLM), a head sized from the saved classifier weights and named
+    by the folder's `classifier/config.json` (so pipelines answer label names); the processor is the
+    base model's tokenizer (text) or image processor (vision)."""
     model, inputs = _load_adapter(adapter_dir)
     return model, inputs.processor
 
@@ -32,11 +34,25 @@ def _load_adapter(adapter_dir: str | Path, max_length: int = 32):
         raise ConfigError(f"{adapter_dir / 'adapter_model.safetensors'}: no classification head (classifier.weight) in the adapter")
     base_id = config["base_model_name_or_path"]
     ref, base = load_adapter_base(base_id, tensors[head[0]].shape[0], adapter_dir)
+    labels = _label_names(adapter_dir)
+    if labels is not None and len(labels) == tensors[head[0]].shape[0]:
+        base.config.id2label = dict(enumerate(labels))
+        base.config.label2id = {name: i for i, name in enumerate(labels)}
     try:
         model = PeftModel.from_pretrained(base, str(adapter_dir))
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         raise FedTaskError(f"{adapter_dir}: does not load onto {base_id} ({str(e).splitlines()[0]})") from None
     return model.eval(), load_inputs(ref, max_length)
+
+
+def _label_names(adapter_dir: Path) -> list[str] | None:
+    """The label names an exported adapter carries (`classifier/config.json`), if any."""
+    from transformers import AutoConfig
+
+    if not (adapter_dir / CLASSIFIER_SUBFOLDER / "config.json").is_file():
+        return None
+    config = AutoConfig.from_pretrained(str(adapter_dir), subfolder=CLASSIFIER_SUBFOLDER)
+    return [config.id2label[i] for i in range(len(config.id2label))]
 
 
 @torch.no_grad()
@@ -54,5 +70,5 @@ def evaluate_adapter(adapter_dir: str | Path, task: str, *, split: str = "test",
     data = t.dataset[split]
     preds = [model(**inputs.batch(batch[t.text_column])).logits.argmax(-1) for batch in data.iter(batch_size)]
     labels = np.asarray(data[t.label_column])
-    accuracy = float((torch.cat(preds).numpy() == labels).mean())
+    accuracy = compute("accuracy", labels, torch.cat(preds).numpy())
     return {"task": t.name, "split": split, "accuracy": accuracy, "num_examples": len(labels)}

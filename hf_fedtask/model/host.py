@@ -69,6 +69,14 @@ class PeftHost:
         self.shared_keys = [k for k in keys if k not in self.head_keys]
         self._keys = set(keys)
 
+    def classifier_config(self):
+        """A copy of the classification model's transformers config, naming its class in
+        `architectures` (a checkpoint may name only its backbone, e.g. BertModel)."""
+        classifier = self.model.get_base_model()
+        config = copy.deepcopy(classifier.config)
+        config.architectures = [type(classifier).__name__]
+        return config
+
     # -- parameters as tensors -------------------------------------------------------------
     def state(self) -> TaskVector:
         """A detached copy of every trainable parameter of the active adapter (shared modules and head)."""
