@@ -1,30 +1,22 @@
-"""Load an exported per-task adapter with stock PEFT and classify a few texts.
+"""Load an exported per-task adapter with stock transformers + PEFT and classify a few texts.
 
     python examples/load_adapter.py runs/fedavg8/adapters/<task> "some text" "another text"
 
-With network access, the base can also be fetched by its Hub id:
-    base = AutoModelForSequenceClassification.from_pretrained(
-        "sentence-transformers/all-MiniLM-L6-v2", num_labels=N)
-    model = PeftModel.from_pretrained(base, "runs/fedavg8/adapters/<task>")
-Offline, `load_adapter_model` takes the embedded copy of the default backbone instead.
+The adapter folder carries its tokenizer and, in `classifier/config.json`, the label names; the base
+(`sentence-transformers/all-MiniLM-L6-v2`) resolves offline because hf_fedtask placed its embedded copy
+in the Hugging Face cache (`hf-fedtask cache-backbone`).
 """
 
-import json
 import sys
-from pathlib import Path
 
-import torch
-
-from hf_fedtask.export.standalone import load_adapter_model
+from transformers import AutoConfig, AutoModelForSequenceClassification, pipeline
 
 
 def main(adapter_dir: str, texts: list[str]) -> list[str]:
-    model, tokenizer = load_adapter_model(adapter_dir)
-    results = json.loads((Path(adapter_dir).parents[1] / "results.json").read_text())
-    labels = results["tasks"][Path(adapter_dir).name]["label_names"]
-    with torch.no_grad():
-        logits = model(**tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")).logits
-    return [labels[i] for i in logits.argmax(-1).tolist()]
+    config = AutoConfig.from_pretrained(adapter_dir, subfolder="classifier")
+    model = AutoModelForSequenceClassification.from_pretrained(adapter_dir, config=config)
+    classify = pipeline("text-classification", model=model, tokenizer=adapter_dir, truncation=True, max_length=32)
+    return [out["label"] for out in classify(texts)]
 
 
 if __name__ == "__main__":

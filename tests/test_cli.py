@@ -46,8 +46,10 @@ def test_push_arrives_byte_identical_and_network_errors_are_one_line(tiny_config
     run_dir = _run_tiny(tiny_config, capsys)
     adapter = run_dir / "adapters" / "moods"
     assert main(["push", str(adapter), "--repo-id", "me/moods", "--endpoint", endpoint, "--token", "hf_x"]) == 0
-    for f in adapter.iterdir():
-        assert store.repos["me/moods"][f.name] == f.read_bytes()
+    files = [f for f in adapter.rglob("*") if f.is_file()]
+    assert "classifier/config.json" in {f.relative_to(adapter).as_posix() for f in files}
+    for f in files:
+        assert store.repos["me/moods"][f.relative_to(adapter).as_posix()] == f.read_bytes()
     capsys.readouterr()
     assert main(["push", str(adapter), "--repo-id", "me/moods", "--endpoint", "http://127.0.0.1:9", "--token", "x"]) == 2
     err = capsys.readouterr().err.strip()
