@@ -22,6 +22,10 @@ def results_table(results: dict) -> str:
                      f"{r['chance']:.3f}", str(r["num_examples"])))
     mean_normalized = f"{results['mean_normalized']:.3f}" if results.get("mean_normalized") is not None else "-"
     rows.append(("mean", "", "", f"{results['mean_metric']:.4f}", mean_normalized, "", ""))
+    if "mean_metric_compact" in results:  # the storage-saving compact export, evaluated on its own
+        compact_normalized = results.get("mean_normalized_compact")
+        rows.append(("mean (compact export)", "", "", f"{results['mean_metric_compact']:.4f}",
+                     f"{compact_normalized:.3f}" if compact_normalized is not None else "-", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 

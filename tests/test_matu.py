@@ -13,6 +13,7 @@ import torch
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine import run as federation
+from hf_fedtask.merge import sign_similarity
 from hf_fedtask.merge.bitmask import unpack_bits
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
@@ -43,8 +44,8 @@ def ref_unify(taus: list[torch.Tensor]):
     return tau, masks, lams
 
 
-def ref_server(uploads, tasks_state, rho, kappa, eps, combine, include_self=False):
-    """uploads: list of (num_samples{t: n}, tau_flat, masks{t: bool flat}, lams{t: float})."""
+def ref_server(uploads, stored, rho, kappa, eps, combine, vectors="cumulative", neighbours="round", include_self=False):
+    """uploads: list of (num_samples{t: n}, tau_flat, masks{t: bool flat}, lams{t: float}); stored: {t: τ^t flat}."""
     hat, soft = {}, {}
     for t in sorted({t for u in uploads for t in u[0]}):
         holders = [u for u in uploads if t in u[0]]
@@ -53,18 +54,25 @@ def ref_server(uploads, tasks_state, rho, kappa, eps, combine, include_self=Fals
         alpha = torch.stack([r.sign() for r in recon]).mean(0).abs()
         soft[t] = torch.where(alpha >= rho, torch.ones_like(alpha), alpha)
         hat[t] = soft[t] * sum(u[0][t] / total * u[3][t] * r for u, r in zip(holders, recon))
-    names = list(hat)
-    new = dict(tasks_state)
-    for t in names:
-        sims = {t2: 0.5 * (float((hat[t].sign() * hat[t2].sign()).mean()) + 1) for t2 in names}
-        cands = sorted((t2 for t2 in names if sims[t2] > eps and (include_self or t2 != t)), key=lambda x: -sims[x])[:kappa]
-        cross = sum((sims[t2] * soft[t] * hat[t2] for t2 in cands), torch.zeros_like(hat[t]))
+    if neighbours == "round":  # compared by, and adding, this round's τ̂
+        names, compared, added = list(hat), hat, hat
+    else:  # every task; under delta a carried-forward task is compared by its τ^t but has no increment to add
+        names = sorted(stored)
+        compared = {t: (stored[t] + hat[t] if vectors == "delta" else hat[t]) if t in hat else stored[t] for t in names}
+        added = {t: hat[t] if t in hat else None if vectors == "delta" else stored[t] for t in names}
+    new = dict(stored)
+    for t in hat:
+        sims = {t2: 0.5 * (float((compared[t].sign() * compared[t2].sign()).mean()) + 1) for t2 in names}
+        cands = sorted((t2 for t2 in names if sims[t2] > eps and (include_self or t2 != t) and added[t2] is not None),
+                       key=lambda x: -sims[x])[:kappa]
+        cross = sum((sims[t2] * soft[t] * added[t2] for t2 in cands), torch.zeros_like(hat[t]))
         if combine == "sum" or not cands:
-            new[t] = hat[t] + cross
+            step = hat[t] + cross
         elif combine == "mean":
-            new[t] = 0.5 * (hat[t] + cross)
+            step = 0.5 * (hat[t] + cross)
         else:
-            new[t] = (hat[t] + cross) / (1 + sum(sims[t2] for t2 in cands))
+            step = (hat[t] + cross) / (1 + sum(sims[t2] for t2 in cands))
+        new[t] = stored[t] + step if vectors == "delta" else step
     return new
 
 
@@ -104,25 +112,30 @@ def test_client_unification_matches_the_reference():
         assert all(torch.equal(h[k], heads[t][k]) for k in h)
 
 
+@pytest.mark.parametrize("neighbours", ["round", "all"])
+@pytest.mark.parametrize("vectors", ["cumulative", "delta"])
 @pytest.mark.parametrize("combine", ["sum", "mean", "s_normalized"])
-def test_server_aggregation_matches_the_reference(combine):
-    """Three participating clients over tasks t0-t2 (t3 has none: carried forward)."""
+def test_server_aggregation_matches_the_reference(combine, vectors, neighbours):
+    """Three participating clients over tasks t0-t2 (t3 has none: carried forward, and close to them)."""
     allocation = {0: ["t0", "t1"], 1: ["t1", "t2"], 2: ["t0"], 3: ["t3"]}
-    strategy = build_strategy("matu", {"combine": combine, "kappa": 2, "epsilon": 0.5, "rho": 0.4})
+    strategy = build_strategy("matu", {"combine": combine, "kappa": 2, "epsilon": 0.5, "rho": 0.4,
+                                       "vectors": vectors, "neighbours": neighbours})
     state = make_state(strategy, allocation)
     gen = torch.Generator().manual_seed(2)
     common = random_tv(gen)  # shared direction so that tasks are similar (S > ε) and neighbours exist
-    state.vectors[task_vector_name("t3")] = random_tv(gen)
+    for t in TASKS:  # earlier rounds' vectors; t3's is a close neighbour of every task
+        state.vectors[task_vector_name(t)] = common + random_tv(gen, scale=0.5 if t == "t3" else 1.5)
+        state.vectors[head_name(t)] = TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()})
     updates, uploads = [], []
     for cid in (0, 1, 2):
-        vectors = {t: common + random_tv(gen, scale=0.7) for t in allocation[cid]}
-        heads = {t: TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()}) for t in vectors}
-        samples = {t: 10 + 7 * cid + i for i, t in enumerate(vectors)}
-        updates.append(ClientUpdate(cid, 1, {WIRE: encode_wire(vectors, "global_sum", heads=heads)}, samples))
-        tau, masks, lams = ref_unify([v.flatten() for v in vectors.values()])
-        uploads.append((samples, tau, dict(zip(vectors, masks)), dict(zip(vectors, lams))))
-    carried = {t: state.vectors[task_vector_name(t)].flatten() for t in TASKS}
-    expected = ref_server(uploads, carried, 0.4, 2, 0.5, combine)
+        uploaded = {t: common + random_tv(gen, scale=0.7) for t in allocation[cid]}
+        heads = {t: TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()}) for t in uploaded}
+        samples = {t: 10 + 7 * cid + i for i, t in enumerate(uploaded)}
+        updates.append(ClientUpdate(cid, 1, {WIRE: encode_wire(uploaded, "global_sum", heads=heads)}, samples))
+        tau, masks, lams = ref_unify([v.flatten() for v in uploaded.values()])
+        uploads.append((samples, tau, dict(zip(uploaded, masks)), dict(zip(uploaded, lams))))
+    stored = {t: state.vectors[task_vector_name(t)].flatten() for t in TASKS}
+    expected = ref_server(uploads, stored, 0.4, 2, 0.5, combine, vectors, neighbours)
     new = strategy.server_aggregate(state, updates)
     for t in TASKS:
         torch.testing.assert_close(new.vectors[task_vector_name(t)].flatten(), expected[t], rtol=1e-5, atol=1e-6)
@@ -131,12 +144,20 @@ def test_server_aggregation_matches_the_reference(combine):
          for u in updates if "t0" in u.num_samples]
     mean = sum((n * v for n, v in h), h[0][1].zeros_like()) / sum(n for n, _ in h)
     torch.testing.assert_close(new.vectors[head_name("t0")].flatten(), (state.vectors[head_name("t0")] + mean).flatten())
-    # the exported form is the unification of all four task vectors
-    tau, masks, lams = ref_unify([expected[t] for t in TASKS])
     origin = state.vectors[SHARED].flatten()
+    tau, masks, lams = ref_unify([expected[t] for t in TASKS])
     for i, t in enumerate(TASKS):
-        shared = strategy.task_parameters(new, t).filter(lambda k: k in SHARED_KEYS)
-        torch.testing.assert_close(shared.flatten(), origin + lams[i] * masks[i] * tau, rtol=1e-5, atol=1e-6)
+        head = new.vectors[head_name(t)]
+        # each task is evaluated and exported from θ_p + τ^t, plus its head
+        params = strategy.task_parameters(new, t)
+        torch.testing.assert_close(params.filter(lambda k: k in SHARED_KEYS).flatten(), origin + expected[t],
+                                   rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(params[k], head[k]) for k in head)
+        # the compact form decodes the unification of all four task vectors
+        compact = strategy.compact_task_parameters(new, t)
+        torch.testing.assert_close(compact.filter(lambda k: k in SHARED_KEYS).flatten(), origin + lams[i] * masks[i] * tau,
+                                   rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(compact[k], head[k]) for k in head)
 
 
 SHARED_KEYS = set(SHAPES)
@@ -151,13 +172,64 @@ def test_neighbours_exclude_self_and_respect_epsilon_and_kappa():
     assert build_strategy("matu", {"kappa": 0}).neighbours(s, 0) == []
 
 
+def single_task_uploads(uploaded: dict[int, tuple[str, TaskVector]]) -> list[ClientUpdate]:
+    """One task per client (client -> (task, vector)): unification is exact, so τ̂^t is the vector itself."""
+    heads = {k: torch.zeros(s) for k, s in HEAD.items()}
+    return [ClientUpdate(c, 1, {WIRE: encode_wire({t: v}, "global_sum", heads={t: TaskVector(heads)})}, {t: 10})
+            for c, (t, v) in uploaded.items()]
+
+
+def test_carried_forward_tasks_are_neighbours_only_with_neighbours_all():
+    """t1 has no participant this round but a stored τ^{t1} close to t0's upload. Cumulative: `all` mixes
+    τ^{t1} into t0 (Eq. 6), `round` does not. Delta: t1 has no increment to add, so it is no candidate;
+    t2's increment is mixed in, weighted by the similarity of the whole vectors under `all` and of the
+    increments under `round`."""
+    allocation = {0: ["t0"], 1: ["t1"], 2: ["t2"], 3: ["t3"]}
+    gen = torch.Generator().manual_seed(5)
+    common = random_tv(gen)
+    upload = 0.1 * (common + random_tv(gen, scale=0.3))
+
+    def new_vector(options, stored, uploaded):
+        strategy = build_strategy("matu", {"kappa": 1, **options})
+        state = make_state(strategy, allocation)
+        for t, v in stored.items():
+            state.vectors[task_vector_name(t)] = v
+        new = strategy.server_aggregate(state, single_task_uploads(uploaded))
+        assert torch.equal(new.vectors[task_vector_name("t1")].flatten(), stored["t1"].flatten())  # no participant: kept
+        return new.vectors[task_vector_name("t0")]
+
+    stored = {"t1": common + random_tv(gen, scale=0.1)}
+    for neighbours in ("round", "all"):
+        got = new_vector({"vectors": "cumulative", "neighbours": neighbours}, stored, {0: ("t0", upload)})
+        if neighbours == "round":
+            expected = upload
+        else:
+            s = float(sign_similarity([upload, stored["t1"]])[0, 1])
+            assert s > 0.5
+            expected = (1 / (1 + s)) * (upload + s * stored["t1"])
+        torch.testing.assert_close(got.flatten(), expected.flatten())
+
+    stored = {"t0": common, "t1": common + random_tv(gen, scale=0.1), "t2": common + random_tv(gen, scale=1.0)}
+    increment_t2 = 0.1 * (common + random_tv(gen, scale=0.3))
+    for neighbours in ("round", "all"):
+        got = new_vector({"vectors": "delta", "neighbours": neighbours}, stored,
+                                {0: ("t0", upload), 2: ("t2", increment_t2)})
+        if neighbours == "round":
+            s = float(sign_similarity([upload, increment_t2])[0, 1])
+            assert s > 0.5
+            expected = stored["t0"] + (1 / (1 + s)) * (upload + s * increment_t2)
+        else:  # t1 has nothing to add and is skipped; t2 is compared by its whole vector τ^{t2} + increment
+            s = float(sign_similarity([stored["t0"] + upload, stored["t1"], stored["t2"] + increment_t2])[0, 2])
+            expected = (stored["t0"] + (1 / (1 + s)) * (upload + s * increment_t2)) if s > 0.5 else stored["t0"] + upload
+        torch.testing.assert_close(got.flatten(), expected.flatten())
+
+
 def test_bad_matu_options_are_config_errors():
     from hf_fedtask.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="combine"):
-        build_strategy("matu", {"combine": "avg"})
-    with pytest.raises(ConfigError, match="rescaler"):
-        build_strategy("matu", {"rescaler": "l2"})
+    for option, value in (("combine", "avg"), ("rescaler", "l2"), ("vectors", "increments"), ("neighbours", "some")):
+        with pytest.raises(ConfigError, match=option):
+            build_strategy("matu", {option: value})
 
 
 @pytest.fixture
@@ -231,21 +303,43 @@ def test_uplink_bytes_within_one_percent_of_the_formula_at_minilm_size(k):
 
 
 def test_matu_runs_end_to_end_and_exports_adapters(matu_config):
+    """The stock adapter is the task from the server's τ^t (`task_parameters`), the compact export its
+    decoding from the all-task unification (`compact_task_parameters`); both load as PEFT models."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hf_fedtask import load_task_adapter
+    from hf_fedtask.export.compact import task_state
 
     results = federation.run(matu_config)
     assert results["strategy"] == "matu" and results["rounds"] == 2
     run_dir = Path(matu_config.output_dir)
+    fed = federation.Federation(matu_config)
+    final, _, _ = federation.restore(fed.env, run_dir, matu_config.fingerprint())
+    stock_weights = load_file(run_dir / "adapters" / "colors" / "adapter_model.safetensors")
+    expected = fed.strategy.task_parameters(final, "colors")
+    assert stock_weights.keys() == set(expected) and all(torch.equal(stock_weights[k], expected[k]) for k in expected)
+    compact_weights = task_state(run_dir / "compact", "colors")
+    expected = fed.strategy.compact_task_parameters(final, "colors")
+    assert set(compact_weights) == set(expected)
+    for k in expected:
+        torch.testing.assert_close(compact_weights[k], expected[k])
     base = AutoModelForSequenceClassification.from_pretrained(matu_config.base_model, num_labels=3)
     stock = PeftModel.from_pretrained(base, run_dir / "adapters" / "colors").eval()
     compact = load_task_adapter(run_dir / "compact", "colors", base_model=matu_config.base_model)
     batch = AutoTokenizer.from_pretrained(matu_config.base_model)(["red apple 3", "blue sky 4"], padding=True,
                                                                   return_tensors="pt")
     with torch.no_grad():
-        assert torch.equal(stock(**batch).logits, compact(**batch).logits)
+        assert stock(**batch).logits.shape == compact(**batch).logits.shape == (2, 3)
+    # the compact form's accuracy is reported on its own, equal to evaluating its decoding
+    from hf_fedtask.client.evaluation import evaluate as evaluate_params
+
+    for task in ("colors",):
+        own = evaluate_params(fed.env.host, fed.strategy.compact_task_parameters(final, task), fed.env.test_data(task))
+        assert results["tasks"][task]["accuracy_compact"] == own["accuracy"]
+    assert results["mean_metric_compact"] == pytest.approx(
+        sum(r["accuracy_compact"] for r in results["tasks"].values()) / len(results["tasks"]))
     storage = results["compact_storage"]  # 2 tasks: no saving yet (θ_p and τ cost two adapters)
     on_disk = sum(p.stat().st_size for p in (run_dir / "compact").iterdir() if p.is_file() and p.name != "README.md")
     assert storage["tasks"] == 2 and storage["compact_bytes"] == on_disk

@@ -157,3 +157,35 @@ def test_tct_text_recipe_reports_accuracy_and_costs(tiny_bert_dir, tiny_tasks_di
     cost = result["costs"]["tasks/tct_p64"]
     assert cost["features_s"] > 0 and cost["stage2_s"] > 0
     assert len(result["per_round"]["tasks"]["tct_p64"]) == 3 and (out / "tct_text.png").exists()
+
+
+def test_recipe_threads_replace_accelerates_default_but_respect_the_user(tmp_path):
+    """`accelerate launch` gives the script OMP_NUM_THREADS=1 unless told otherwise: recipes then use every
+    core they may; a user's OMP_NUM_THREADS or `--threads` wins."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from hf_fedtask.errors import ConfigError
+    from hf_fedtask.workflows.recipe import set_threads
+
+    accelerate = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nfrom hf_fedtask.workflows.recipe import set_threads\n"
+                      "print('SAID', set_threads(None)); print('GOT', torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cores = len(os.sched_getaffinity(0))
+
+    def launched(extra_env=None, flags=()):
+        done = subprocess.run([accelerate, "launch", *flags, str(script)], env={**env, **(extra_env or {})},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-1500:]
+        return int(next(line for line in done.stdout.splitlines() if line.startswith("GOT")).split()[1])
+
+    assert launched() == cores
+    assert launched({"OMP_NUM_THREADS": "1"}) == 1
+    assert launched(flags=("--num_cpu_threads_per_process", "1")) == 1
+    assert set_threads(1) == "1 (--threads)"
+    with pytest.raises(ConfigError, match="--threads"):
+        set_threads(0)

@@ -261,16 +261,24 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
     reference where one exists for the task and base model) and the run's metadata."""
     config, strategy = env.config, env.strategy
     final = history[-1]["eval"] if history else Server(env).evaluate(state, transport, stores)
+    compact = Server(env).evaluate_compact(state)  # the storage-saving export's own accuracy, reported beside
     reference = shipped_reference(config.base_model)
     tasks = {}
     for t in env.tasks:
         r = {**final[t.name], "metric": t.metric, "num_labels": t.num_labels, "label_names": t.label_names,
              "chance": t.chance, "group": t.group}
+        if t.name in compact:
+            r[f"{t.metric}_compact"] = compact[t.name]
         if t.name in reference and reference[t.name].get(t.metric):
             r["individual_centralized"] = reference[t.name][t.metric]
             r["normalized"] = r[t.metric] / r["individual_centralized"]
+            if t.name in compact:
+                r["normalized_compact"] = compact[t.name] / r["individual_centralized"]
         tasks[t.name] = r
     normalized = [r["normalized"] for r in tasks.values() if "normalized" in r]
+    compact_summary = {"mean_metric_compact": float(np.mean(list(compact.values())))} if compact else {}
+    if compact and len(normalized) == len(tasks):
+        compact_summary["mean_normalized_compact"] = float(np.mean([r["normalized_compact"] for r in tasks.values()]))
     return {
         "strategy": strategy.name,
         "strategy_paper": strategy.paper,
@@ -285,6 +293,7 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
         "mean_metric": float(np.mean([r[r["metric"]] for r in tasks.values()])),
         **nonlinear_mean(final, env.tasks),
         "mean_normalized": float(np.mean(normalized)) if len(normalized) == len(tasks) else None,
+        **compact_summary,
         "bytes_uplink": sum(h["bytes_uplink"] for h in history),
         "bytes_downlink": sum(h["bytes_downlink"] for h in history),
         "shared_parameters": sum(t.numel() for t in state.vectors.get(SHARED, {}).values()),

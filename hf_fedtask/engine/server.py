@@ -205,6 +205,15 @@ class Server:
             out[task][BACKDOOR_METRIC] = success_rate(preds, self.config.backdoor_target)
         return out
 
+    def evaluate_compact(self, state: GlobalState) -> dict[str, float]:
+        """Each task's metric as the strategy's compact export gives it (`compact_task_parameters`:
+        e.g. MaTU's all-task unification), for strategies that export one; {} otherwise."""
+        if "compact" not in self.strategy.capabilities.exports:
+            return {}
+        host, batch = self.env.host, self.config.eval_batch_size
+        return {t.name: score(predict(host, self.strategy.compact_task_parameters(state, t.name), self.env.test_data(t.name),
+                                      batch), self.env.test_data(t.name), t.metric)[t.metric] for t in self.env.tasks}
+
     def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,
                 nonlinear: bool = False) -> np.ndarray:
         """The federated model's predictions for `task` on prepared `data`: the strategy's own model

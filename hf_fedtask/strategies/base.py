@@ -155,6 +155,12 @@ class Strategy(ABC):
         """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`."""
         return TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
 
+    def compact_task_parameters(self, state: GlobalState, task: str) -> TaskVector:
+        """`task`'s parameters as the strategy's compact export gives them; strategies whose
+        `capabilities.exports` include "compact" implement it (its accuracy is reported beside
+        `task_parameters`' as `<metric>_compact`)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no compact export")
+
     def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray | None:
         """Predictions for `task` on prepared `data` when the task's model is not the host model carrying
         `task_parameters` (e.g. TCT's linear model over eNTK features); None: the host model's."""

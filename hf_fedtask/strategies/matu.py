@@ -1,21 +1,48 @@
 """MaTU (Many-Task FL via Unified Task Vectors), as specified in algorithms.md §3.
 
 Client n holding tasks T_n receives one unified vector τ_n, a binary mask m_n^t and a rescaler λ_n^t
-per task. For each task it trains from θ_p + λ_n^t·(m_n^t ⊙ τ_n), giving τ_n^t (cumulative, measured
-from the seeded PEFT init θ_p), then unifies its task vectors and uploads τ_n, the masks and the
-rescalers. The server, per task t over the participating holders N^t:
+per task. For each task it trains from θ_p + λ_n^t·(m_n^t ⊙ τ_n), then unifies what it measured for its
+tasks and uploads τ_n, the masks and the rescalers. The server, per task t over the participating
+holders N^t (x_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n) is holder n's decoded upload for t):
 
-    α^t = |mean_n sgn(m_n^t ⊙ τ_n)|,  m̂^t = 1 where α^t ≥ ρ else α^t            (Eq. 3)
-    τ̂^t = m̂^t ⊙ Σ_n γ_n^t·λ_n^t·(m_n^t ⊙ τ_n),   γ_n^t ∝ |D_n^t|                (Eq. 4)
-    S(t, t') = ½(mean_j sgn τ̂^t·sgn τ̂^t' + 1)                                   (Eq. 5)
+    α^t = |mean_n sgn(x_n^t)|,  m̂^t = 1 where α^t ≥ ρ else α^t                    (Eq. 3)
+    τ̂^t = m̂^t ⊙ Σ_n γ_n^t·x_n^t,   γ_n^t ∝ |D_n^t|                               (Eq. 4)
+    S(t, t') = ½(mean_j sgn v^t·sgn v^t' + 1)                                     (Eq. 5)
     Z^t = top-κ tasks t' ≠ t with S(t, t') > ε
-    τ̃^t = Σ_{t'∈Z^t} S(t, t')·m̂^t ⊙ τ̂^t'                                      (Eq. 6)
-    τ^t ← combine(τ̂^t, τ̃^t)                                                    (Eq. 7)
+    τ̃^t = Σ_{t'∈Z^t} S(t, t')·m̂^t ⊙ a^t'                                        (Eq. 6)
+    combine(τ̂^t, τ̃^t) = τ̂^t + τ̃^t (sum) | ½(τ̂^t + τ̃^t) (mean)
+                       | (τ̂^t + τ̃^t) / (1 + Σ_{Z^t} S) (s_normalized)              (Eq. 7)
 
-then sends each client the unification of {τ^t : t ∈ T_n}. Tasks without a participant this round
-keep τ^t. The server state is per task only (τ^t, heads), never per client; each round it also
-unifies all T task vectors into the exported form (one τ, T masks, T rescalers), which is what
-`task_parameters` evaluates and `export` writes.
+then sends each client the unification of {τ^t : t ∈ T_n}. S ≈ 0.5 means unrelated tasks (random
+signs), S > 0.5 agreeing and S < 0.5 opposed ones. Two readings of what the vectors are (`vectors`):
+
+    cumulative  the literal one: x_n^t is τ_n^t = trained − θ_p and τ^t ← combine(τ̂^t, τ̃^t). Starting
+                each round from the decoded unification imports other tasks' magnitudes where signs
+                agree and resets disagreeing entries to θ_p, so with multi-task clients the normalized
+                Eq. 7 acts as a consensus iteration and the task vectors collapse into one; `sum`
+                adds the neighbours' whole vectors every round and compounds (geometrically unless
+                local training pulls each task most of the way back to its optimum).
+    delta       (default) x_n^t is the round's change, trained − start (the client still starts from
+                θ_p + λ_n^t·(m_n^t ⊙ τ_n)), and τ^t ← τ^t + combine(τ̂^t, τ̃^t): Eqs. 3-7 act on
+                increments, so tasks stay distinct; `sum` adds the neighbours' increments each round,
+                stable because increments are small; `mean` and `s_normalized` mix t's own step with
+                its neighbours' (shrinking it). The increment is measured from the decoded start but
+                added to τ^t, so entries the unification drops for t keep receiving t's pull: opposed
+                tasks can end up further apart than their optima.
+
+Neighbours (`neighbours`): `round` compares (v) and adds (a) only this round's τ̂ of the tasks with
+participants; `all` (default) compares every task's server vector, so tasks carried forward from
+earlier rounds can be neighbours: v^t is τ^t as this round's Eq. 4 leaves it (τ̂^t under cumulative,
+τ^t + τ̂^t under delta; the stored τ^t for a task without participants). What such a carried-forward
+neighbour adds (a) is its stored τ^t under cumulative; under delta it has no increment this round, so
+it is no candidate for Z^t (it would add nothing, and averaging t's step with a zero step would only
+slow t whenever a related task is not sampled): `all` then picks the neighbours among this round's
+tasks by the similarity of their whole vectors τ^t + τ̂^t rather than of one round's increments. Tasks without participants keep τ^t.
+
+The server state is per task only (τ^t, heads), never per client. Each task is evaluated and exported
+from θ_p + τ^t (`task_parameters`); each round the server also unifies all T task vectors into the
+storage-saving compact form (one τ, T masks, T rescalers; `export` in the state, `compact_form`), whose
+own decoding θ_p + λ_t·(m_t ⊙ τ) is `compact_task_parameters`.
 
 Heads are per task and cannot be unified (their shapes differ): they travel as float32 and are
 averaged over the task's holders as in FedAvg (the paper's ViT heads are not described).
@@ -55,6 +82,9 @@ if TYPE_CHECKING:
 WIRE = "matu"
 EXPORTED = "export"
 COMBINE_RULES = ("sum", "mean", "s_normalized")
+READINGS = ("cumulative", "delta")  # what clients upload and Eq. 7 yields: see the module docstring
+DEFAULT_READING = "delta"
+NEIGHBOURHOODS = ("round", "all")
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -115,14 +145,25 @@ def decode_heads(wire: TaskVector, templates: dict[str, TaskVector]) -> dict[str
 @dataclass
 class MaTUConfig(StrategyConfig):
     rho: float = option(0.4, "agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)", minimum=0, maximum=1)
-    kappa: int = option(2, "neighbours per task in the cross-task aggregation (never given by the paper)", minimum=0)
-    epsilon: float = option(0.5, "minimum sign similarity S(t, t') of a neighbour")
-    combine: str = option("s_normalized", "Eq. 7: sum (literal) | mean | s_normalized", choices=COMBINE_RULES)
+    kappa: int = option(2, "κ: at most this many neighbours per task in the cross-task aggregation "
+                           "(Eq. 6; never given by the paper)", minimum=0)
+    epsilon: float = option(0.5, "ε: a neighbour needs sign similarity S(t, t') > ε (Eq. 5; S ≈ 0.5 unrelated, "
+                                 "> 0.5 agreeing, < 0.5 opposed)", minimum=0, maximum=1)
+    combine: str = option("s_normalized", "Eq. 7: sum (literal; under cumulative it compounds, geometrically with "
+                                          "short local training; under delta it adds the neighbours' increments, "
+                                          "stable) | mean | s_normalized (similarity-weighted mean, t weighing 1)",
+                          choices=COMBINE_RULES)
+    vectors: str = option(DEFAULT_READING, "what Eqs. 3-7 act on: cumulative (clients upload trained - θ_p, Eq. 7's "
+                                           "output replaces τ^t; the literal reading, whose task vectors collapse "
+                                           "with multi-task clients) | delta (clients upload the round's change, "
+                                           "Eq. 7's output is added to τ^t)", choices=READINGS)
+    neighbours: str = option("all", "candidates for Z^t: round (tasks with participants this round) | all (also "
+                                    "tasks carried forward, compared by their server vector τ^t)",
+                             choices=NEIGHBOURHOODS)
     rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)", choices=tuple(RESCALERS))
     include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
     wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
                              choices=tuple(WIRE_DTYPES))
-
 
 
 @register_strategy
@@ -153,7 +194,7 @@ class MaTU(Strategy):
         return sorted({t for tasks in state.allocation.values() for t in tasks})
 
     def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
-        """All tasks unified (what is evaluated and exported), kept in the state as `export`."""
+        """All tasks unified (the compact export), kept in the state as `export`."""
         return {EXPORTED: encode_wire(self._task_vectors(state, self._all_tasks(state)), self.config.rescaler)}
 
     def compact_form(self, state: GlobalState) -> dict:
@@ -172,7 +213,14 @@ class MaTU(Strategy):
         }
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
-        """θ_p + λ_t·(m_t ⊙ τ) from the all-task unification, plus the task's head."""
+        """θ_p + τ^t, the server's own vector of the task, plus its head: what is evaluated and exported
+        as the task's adapter (the compact form loses accuracy to unification)."""
+        shared = state.vectors[SHARED] + state.vectors[task_vector_name(task)]
+        return TaskVector({**shared, **state.vectors[head_name(task)]})
+
+    def compact_task_parameters(self, state: GlobalState, task: str) -> TaskVector:
+        """θ_p + λ_t·(m_t ⊙ τ) from the all-task unification, plus the task's head: the task as the
+        compact export (`compact_form`) gives it, so its accuracy can be reported beside `task_parameters`'."""
         origin = state.vectors[SHARED]
         shared = origin + decode_task(state.vectors[EXPORTED], self._all_tasks(state).index(task), origin)
         return TaskVector({**shared, **state.vectors[head_name(task)]})
@@ -195,9 +243,11 @@ class MaTU(Strategy):
         heads = decode_heads(wire, {t: job.initial_heads[t] for t in job.tasks})
         trained_vectors, head_deltas, metrics = {}, {}, {}
         for i, task in enumerate(job.tasks):
-            start = TaskVector({**(origin + decode_task(wire, i, origin)), **heads[task]})
-            trained, m = trainer.train(start, job.data[task], seed=job.seed_for(task))
-            trained_vectors[task] = trained.filter(lambda k: k in origin) - origin
+            start_shared = origin + decode_task(wire, i, origin)
+            trained, m = trainer.train(TaskVector({**start_shared, **heads[task]}), job.data[task],
+                                       seed=job.seed_for(task))
+            measured_from = start_shared if self.config.vectors == "delta" else origin
+            trained_vectors[task] = trained.filter(lambda k: k in origin) - measured_from
             head_deltas[task] = trained.filter(lambda k: k not in origin) - heads[task]
             metrics[f"{task}/train_loss"] = m["train_loss"]
         update = encode_wire(trained_vectors, self.config.rescaler, self.config.wire_dtype, heads=head_deltas)
@@ -213,14 +263,17 @@ class MaTU(Strategy):
             for u in updates]
         for task, holders in updates_by_task(updates).items():
             total = sum(u.num_samples[task] for u in holders)
-            # τ_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n), weighted by γ_n^t (Eq. 4); the sign vote of Eq. 3 ignores λ > 0
+            # x_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n), weighted by γ_n^t (Eq. 4); the sign vote of Eq. 3 ignores λ > 0
             reconstructed = [decode_task(u.vectors[WIRE], sorted(u.num_samples).index(task), origin) for u in holders]
             soft_masks[task] = agreement_mask(reconstructed, self.config.rho)
             weighted = reconstructed[0].zeros_like()
             for u, r in zip(holders, reconstructed):
                 weighted = weighted + (u.num_samples[task] / total) * r
             same_task[task] = soft_masks[task] * weighted
-        vectors = {task_vector_name(t): v for t, v in self._cross_task(same_task, soft_masks).items()}
+        combined = self._cross_task(state, same_task, soft_masks)
+        if self.config.vectors == "delta":
+            combined = {t: state.vectors[task_vector_name(t)] + v for t, v in combined.items()}
+        vectors = {task_vector_name(t): v for t, v in combined.items()}
         new = state.next({**vectors, **average_heads(state, updates)})
         new.vectors.update(self._exported(new))
         return new
@@ -231,16 +284,36 @@ class MaTU(Strategy):
         eligible = [j for j in order if similarity[index, j] > self.config.epsilon and (self.config.include_self or j != index)]
         return eligible[: self.config.kappa]
 
-    def _cross_task(self, same_task: dict[str, TaskVector], soft_masks: dict[str, TaskVector]) -> dict[str, TaskVector]:
-        """Eqs. 5-7 over the tasks that had participants this round."""
-        tasks = list(same_task)
-        similarity = sign_similarity([same_task[t] for t in tasks])
+    def _candidates(self, state: GlobalState, same_task: dict[str, TaskVector]
+                    ) -> tuple[list[str], list[TaskVector], list[TaskVector | None]]:
+        """Eq. 5's candidate tasks, the vector each is compared by (v) and the one it adds in Eq. 6 (a;
+        None: nothing), per `neighbours` and `vectors` (see the module docstring)."""
+        if self.config.neighbours == "round":
+            tasks = list(same_task)
+            return tasks, [same_task[t] for t in tasks], [same_task[t] for t in tasks]
+        tasks = self._all_tasks(state)
+        stored = self._task_vectors(state, tasks)
+        if self.config.vectors == "delta":  # τ̂ is an increment: carried-forward tasks have none to add
+            compared = [stored[t] + same_task[t] if t in same_task else stored[t] for t in tasks]
+            added = [same_task.get(t) for t in tasks]
+        else:  # τ̂ replaces τ: a carried-forward task is its stored τ in both roles
+            compared = added = [same_task.get(t, stored[t]) for t in tasks]
+        return tasks, compared, added
+
+    def _cross_task(self, state: GlobalState, same_task: dict[str, TaskVector],
+                    soft_masks: dict[str, TaskVector]) -> dict[str, TaskVector]:
+        """Eqs. 5-7 for each task with participants this round: combine(τ̂^t, τ̃^t)."""
+        tasks, compared, added = self._candidates(state, same_task)
+        similarity = sign_similarity(compared)
+        eligible = similarity.clone()  # a task with nothing to add (delta, carried forward) is no candidate
+        eligible[:, [j for j, a in enumerate(added) if a is None]] = -1.0
         out = {}
-        for i, task in enumerate(tasks):
-            zs = self.neighbours(similarity, i)
+        for task in same_task:
+            i = tasks.index(task)
+            zs = self.neighbours(eligible, i)
             cross = same_task[task].zeros_like()
             for j in zs:
-                cross = cross + float(similarity[i, j]) * (soft_masks[task] * same_task[tasks[j]])
+                cross = cross + float(similarity[i, j]) * (soft_masks[task] * added[j])
             if self.config.combine == "sum" or not zs:
                 out[task] = same_task[task] + cross
             elif self.config.combine == "mean":

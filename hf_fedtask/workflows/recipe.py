@@ -27,6 +27,8 @@ from hf_fedtask.errors import ConfigError, FedTaskError
 def recipe_parser(description: str, presets: dict[str, Path]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     add_config_arguments(parser)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when you set it, "
+                        "else every core this process may use, also under `accelerate launch`)")
     parser.add_argument("--preset", choices=sorted(presets), help="a shipped RunConfig YAML: " +
                         "; ".join(f"{name} = {path.name}" for name, path in sorted(presets.items())))
     parser.add_argument("--resume", action="store_true", help="continue from the last finished round in --output-dir")
@@ -35,7 +37,8 @@ def recipe_parser(description: str, presets: dict[str, Path]) -> argparse.Argume
 
 
 def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, Path]) -> RunConfig:
-    """defaults < preset < --config < flags."""
+    """defaults < preset < --config < flags; also sets torch's threads (`set_threads`) and prints them."""
+    print(f"torch threads: {set_threads(args.threads)}", flush=True)
     values = dict(defaults)
     if args.preset:
         path = presets[args.preset]
@@ -63,6 +66,45 @@ def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _accelerate_default_of_one() -> bool:
+    """Whether OMP_NUM_THREADS=1 here is `accelerate launch`'s default rather than the user's choice:
+    accelerate sets it in the script's environment when neither the user's environment nor
+    `--num_cpu_threads_per_process` names a value. Read from the launcher's own environment and
+    command line (Linux /proc); anything unreadable counts as the user's choice."""
+    if os.environ.get("OMP_NUM_THREADS") != "1" or "ACCELERATE_DYNAMO_BACKEND" not in os.environ:
+        return False
+    try:
+        parent = Path(f"/proc/{os.getppid()}")
+        environ = parent.joinpath("environ").read_bytes().split(b"\0")
+        cmdline = parent.joinpath("cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    launched = any(b"accelerate" in part for part in cmdline[:3])
+    return (launched and not any(v.startswith(b"OMP_NUM_THREADS=") for v in environ)
+            and not any(a.startswith(b"--num_cpu_threads_per_process") for a in cmdline))
+
+
+def set_threads(requested: int | None) -> str:
+    """Set torch's CPU threads for a recipe and say where the number came from: `--threads`, else the
+    user's OMP_NUM_THREADS, else every core this process may use (replacing `accelerate launch`'s
+    default of one thread, which leaves a 2-core machine half idle)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"--threads must be at least 1, got {requested}")
+        torch.set_num_threads(requested)
+        return f"{requested} (--threads)"
+    if _accelerate_default_of_one():
+        torch.set_num_threads(cores)
+        return f"{cores} (all cores; accelerate launch's default of 1 replaced: --threads or OMP_NUM_THREADS to choose)"
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"{torch.get_num_threads()} (OMP_NUM_THREADS)"
+    torch.set_num_threads(cores)
+    return f"{cores} (all cores)"
 
 
 def resource_report(seconds: float) -> str:
