@@ -6,7 +6,8 @@
 
 30 clients hold the 30 tasks through a Dirichlet task allocation (ζ_t = 0.2: most clients hold
 several tasks, each task is split over its holders); each round a seeded 20% of the clients train one
-local epoch per task they hold. The paper runs 300 rounds with every client each round; this
+local epoch per task they hold, for 17 rounds. The recipe uses every core it may (`accelerate launch`
+alone gives it one thread); `--threads N` or your OMP_NUM_THREADS wins. The paper runs 300 rounds with every client each round; this
 default is the same algorithm scaled to the CPU budget. Any RunConfig key is a flag (`--rounds 50`).
 
 At the end: a per-task table (accuracy and accuracy normalized by individual centralized LoRA),
@@ -30,7 +31,7 @@ DEFAULTS = {
     "num_clients": 30,
     "zeta": 0.2,
     "participation": 0.2,
-    "rounds": 10,
+    "rounds": 17,  # fits 10 minutes on 2 cores (9 min 41 s measured, accelerate launch included)
     "local_epochs": 1.0,
     "output_dir": "runs/matu30",
 }
