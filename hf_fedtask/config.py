@@ -21,6 +21,7 @@ import yaml
 from hf_fedtask.core.fields import check_fields, field_type
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+from hf_fedtask.model.output_space import OUTPUT_SPACES
 from hf_fedtask.strategies import (
     STRATEGIES,
     StrategyConfig,
@@ -55,6 +56,7 @@ class RunConfig:
     participation: float = 1.0
     zeta: float = 0.0  # task allocation: 0 = one task per client; > 0 = Dirichlet over clients per task
     partition: str = "iid"  # within a task: iid | dirichlet | classes
+    output_space: str = "per_task"  # classification head: per_task | max | union (one head shared by all tasks)
     alpha: float = 0.5
     classes_per_client: int = 2
     min_samples: int = 8
@@ -102,6 +104,8 @@ class RunConfig:
             raise ConfigError(f"config: participation must be in (0, 1], got {self.participation}")
         if self.zeta < 0:
             raise ConfigError(f"config: zeta must be >= 0, got {self.zeta}")
+        if self.output_space not in OUTPUT_SPACES:
+            raise ConfigError(f"config: output_space must be one of {', '.join(OUTPUT_SPACES)}, got {self.output_space!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"config: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.backdoor_client < -1 or self.backdoor_target < 0 or self.backdoor_trigger < 1:

@@ -79,18 +79,39 @@ def test_presets_are_the_paper_settings(preset):
     assert len(config.tasks) == (30 if preset == "matu_vit_b32.yaml" else 8)
 
 
-def test_comparison_recipe_writes_both_tables(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+def test_comparison_recipe_writes_both_tables_over_seeds(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    import numpy as np
+
     out = tmp_path / "cmp"
-    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--strategies", "matu", "fedavg", "--rounds", "1"]
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--methods", "matu", "fedavg", "--rounds", "1",
+                                                             "--seeds", "0", "1", "--partition", "iid"]
     assert load_recipe("matu_8task").main(flags) == 0
     rows = json.loads((out / "comparison.json").read_text())
     assert set(rows) == {"single_task", "multi_task"}
     for setting, table in rows.items():
         assert [r["method"] for r in table] == ["matu", "fedavg"]  # no shipped reference for the tiny model
-        run = json.loads((out / setting / "matu" / "results.json").read_text())
-        assert table[0]["mean"] == run["mean_metric"]
+        runs = {m: [json.loads((out / f"seed{k}" / setting / m / "results.json").read_text()) for k in (0, 1)]
+                for m in ("matu", "fedavg")}
+        assert [r["config"]["seed"] for r in runs["matu"]] == [0, 1]
+        assert runs["matu"][0]["config"]["output_space"] == "max"  # the recipe's shared head
+        means = [r["mean_metric"] for r in runs["matu"]]
+        assert table[0]["mean"] == pytest.approx(np.mean(means)) and table[0]["mean_std"] == pytest.approx(np.std(means))
+        assert table[0]["mean_compact"] == pytest.approx(np.mean([r["mean_metric_compact"] for r in runs["matu"]]))
+        fedavg = table[1]
+        ours = np.mean([(r["bytes_uplink"] + r["bytes_downlink"]) / r["rounds"] for r in runs["fedavg"]])
+        assert fedavg["bytes_per_round"] == pytest.approx(ours)
+        # the paper's protocol: a client holding n tasks moves its shared modules n times, not once
+        extra = []
+        for r in runs["fedavg"]:
+            history = [json.loads(x) for x in (Path(r["config"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            extra.append(np.mean([sum(8 * r["shared_parameters"] * (len(r["allocation"][str(c)]) - 1) for c in h["clients"])
+                                  for h in history]))
+        assert fedavg["paper_bytes_per_round"] == pytest.approx(ours + np.mean(extra))
+        assert (fedavg["paper_bytes_per_round"] > ours) == (setting == "multi_task")
+        assert "paper_bytes_per_round" not in table[0]
     md = (out / "comparison.md").read_text()
-    assert "Single-task clients" in md and "Multi-task clients" in md and (out / "comparison.png").exists()
+    assert "Single-task clients" in md and "Multi-task clients" in md and "±" in md and "one adapter per task" in md
+    assert "output space `max`" in md and (out / "comparison.png").exists()
 
 
 def test_ntkfedavg_recipe_tables_plots_and_unlearning(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):

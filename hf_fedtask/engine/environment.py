@@ -25,6 +25,7 @@ from hf_fedtask.data.task import Task, TaskInfo
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, classifier_class, input_kind, resolve_base_model
 from hf_fedtask.model.host import PeftHost
+from hf_fedtask.model.output_space import OutputSpace
 from hf_fedtask.model.peft_methods import make_peft_config
 from hf_fedtask.strategies import Strategy, build_strategy
 
@@ -45,9 +46,10 @@ def load_tasks(config: RunConfig) -> list[Task]:
     return tasks
 
 
-def build_host(config: RunConfig) -> PeftHost:
+def build_host(config: RunConfig, shared_head: int = 0) -> PeftHost:
     """The one in-memory PEFT model a run uses, from the config's model keys; the base model's
-    architecture decides the modality (text or image) and so the PEFT head settings."""
+    architecture decides the modality (text or image) and so the PEFT head settings. `shared_head`:
+    the outputs of a head shared by all tasks (0: one head per task)."""
     base = resolve_base_model(config.base_model, config.base_model_id)
     peft_config = make_peft_config(
         config.peft_method,
@@ -59,7 +61,7 @@ def build_host(config: RunConfig) -> PeftHost:
         modality=input_kind(base).modality,
         backbone=backbone_name(base) if config.peft_method == "full" else None,
     )
-    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length)
+    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length, shared_head=shared_head)
 
 
 def backbone_name(base: BaseModelRef) -> str:
@@ -106,8 +108,18 @@ class Environment:
         return {t.name: t for t in self.tasks}
 
     @cached_property
+    def output_space(self) -> OutputSpace:
+        """Where each task's labels live in the classification head (`config.output_space`)."""
+        return OutputSpace.build(self.config.output_space, self.tasks)
+
+    @cached_property
     def host(self) -> PeftHost:
-        return build_host(self.config)
+        return build_host(self.config, shared_head=self.output_space.width)
+
+    def task_view(self, params: TaskVector, task: str) -> TaskVector:
+        """A task's parameters as its own classifier: under a shared output space, the head cut to
+        the task's rows (what is evaluated and exported); unchanged otherwise."""
+        return self.output_space.task_view(params, task, self.host.head_keys)
 
     @cached_property
     def trainer(self) -> LocalTrainer:
@@ -169,7 +181,7 @@ class Environment:
         if not 0 <= client_id < self.num_clients:
             raise ConfigError(f"client id {client_id} is outside this run's {self.num_clients} clients")
         if client_id not in self._client_data:
-            self._client_data[client_id] = {name: self.host.tokenize(ds, self.task_by_name[name])
+            self._client_data[client_id] = {name: self._training_data(ds, name)
                                             for name, ds in self.partition[client_id].items()}
         return self._client_data[client_id]
 
@@ -186,8 +198,12 @@ class Environment:
         if key not in self._test_data:
             if task not in self.held_out:
                 raise ConfigError(f"the server holds no data of task {task!r} (strategy {self.strategy.name!r})")
-            self._test_data[key] = self.host.tokenize(self.held_out[task], self.task_by_name[task])
+            self._test_data[key] = self._training_data(self.held_out[task], task)
         return self._test_data[key]
+
+    def _training_data(self, raw: Dataset, task: str) -> Dataset:
+        """Raw training data of `task` prepared for the model, its labels on the task's head rows."""
+        return self.output_space.train_labels(self.host.tokenize(raw, self.task_by_name[task]), task)
 
     @property
     def backdoor_tasks(self) -> list[str]:

@@ -222,7 +222,8 @@ def run_export(env: Environment, stores: dict[int, ClientStore] | None) -> RunEx
     return RunExport(config=env.config, strategy=env.strategy, tasks=env.tasks,
                      peft_config=host.model.peft_config["default"], head_keys=host.head_keys,
                      base_model_id=host.base.model_id, stores=stores,
-                     classifier_config=host.classifier_config(), processor=host.inputs.processor)
+                     classifier_config=host.classifier_config(), processor=host.inputs.processor,
+                     output_space=env.output_space)
 
 
 @dataclass
@@ -289,6 +290,7 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
         "peft_method": config.peft_method,
         "rounds": state.round,
         "num_clients": len(state.allocation),
+        "allocation": {str(c): held for c, held in sorted(state.allocation.items())},
         "tasks": tasks,
         "mean_metric": float(np.mean([r[r["metric"]] for r in tasks.values()])),
         **nonlinear_mean(final, env.tasks),

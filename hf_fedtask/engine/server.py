@@ -210,21 +210,24 @@ class Server:
         e.g. MaTU's all-task unification), for strategies that export one; {} otherwise."""
         if "compact" not in self.strategy.capabilities.exports:
             return {}
-        host, batch = self.env.host, self.config.eval_batch_size
-        return {t.name: score(predict(host, self.strategy.compact_task_parameters(state, t.name), self.env.test_data(t.name),
-                                      batch), self.env.test_data(t.name), t.metric)[t.metric] for t in self.env.tasks}
+        host, batch, view = self.env.host, self.config.eval_batch_size, self.env.task_view
+        return {t.name: score(predict(host, view(self.strategy.compact_task_parameters(state, t.name), t.name),
+                                      self.env.test_data(t.name), batch), self.env.test_data(t.name), t.metric)[t.metric]
+                for t in self.env.tasks}
 
     def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,
                 nonlinear: bool = False) -> np.ndarray:
         """The federated model's predictions for `task` on prepared `data`: the strategy's own model
         (e.g. TCT's stage 2), the linearized model of linearized strategies (or, `nonlinear`, the
-        ordinary model at the same parameters), or the host model carrying the task's parameters."""
+        ordinary model at the same parameters), or the host model carrying the task's parameters
+        (its own rows of a shared head, `Environment.task_view`)."""
         host, batch = self.env.host, self.config.eval_batch_size
         preds = None if nonlinear else self.strategy.predict(state, task, host, data, batch)
         if preds is not None:
             return preds
         point = None if nonlinear else self.strategy.linearization_point(state, task)
-        return predict(host, self.strategy.task_parameters(state, task, stores), data, batch, linearize_at=point,
+        return predict(host, self.env.task_view(self.strategy.task_parameters(state, task, stores), task), data, batch,
+                       linearize_at=None if point is None else self.env.task_view(point, task),
                        linearization=self.strategy.linearization)
 
     def _evaluate_on_clients(self, state: GlobalState, transport: Transport) -> dict[str, dict]:

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
     from hf_fedtask.config import RunConfig
     from hf_fedtask.core.state import ClientStore, GlobalState
+    from hf_fedtask.core.taskvector import TaskVector
     from hf_fedtask.data.task import Task
+    from hf_fedtask.model.output_space import OutputSpace
     from hf_fedtask.strategies import Strategy
 
 from hf_fedtask.report import ADAPTERS_DIR, COMPACT_DIR, forgotten_what
@@ -44,6 +46,11 @@ class RunExport:
     stores: dict[int, ClientStore] | None = None  # clients' stores, when the engine held them
     classifier_config: object | None = None  # the classifier's transformers config (labels set per task)
     processor: object | None = None  # tokenizer or image processor, saved beside each adapter
+    output_space: OutputSpace | None = None  # a shared head is cut to each task's rows (None: per-task heads)
+
+    def task_view(self, params: TaskVector, task: str) -> TaskVector:
+        """`params` as `task`'s own classifier (`OutputSpace.task_view`)."""
+        return params if self.output_space is None else self.output_space.task_view(params, task, self.head_keys)
 
 
 def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
@@ -78,10 +85,11 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
             "extra_notes": " ".join(filter(None, [
                 (f"Inputs are tokenized with truncation to {spec.config.max_length} tokens." if task.modality == "text"
                  else "Images are converted to RGB, then prepared by the base model's image processor."),
-                unlearning_note(results), linearization_note(results, task.name)])),
+                unlearning_note(results), linearization_note(results, task.name),
+                spec.output_space.describe(task.name) if spec.output_space else None])),
         }
         cards[task.name] = render_model_card(info)
-        params = spec.strategy.task_parameters(state, task.name, spec.stores)
+        params = spec.task_view(spec.strategy.task_parameters(state, task.name, spec.stores), task.name)
         labelled = (classifier_config_for(spec.classifier_config, task.label_names, spec.base_model_id)
                     if spec.classifier_config is not None else None)
         save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
@@ -89,6 +97,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                      processor=spec.processor)
         point = spec.strategy.linearization_point(state, task.name)
         if "linearized" in exports and point is not None:
+            point = spec.task_view(point, task.name)
             save_linearized(run_dir / LINEARIZED_DIR / task.name, peft_config=peft_config, point=point,
                             delta=params - point, base_model_id=spec.base_model_id, num_labels=task.num_labels,
                             mode=spec.strategy.linearization,
@@ -106,7 +115,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                                "metrics": {task.metric: r[task.metric]}})
     if "multi_adapter" in exports:
         save_multi_adapter(run_dir / MULTI_ADAPTER_DIR, peft_config=peft_config, head_keys=spec.head_keys,
-                           task_states={t.name: spec.strategy.task_parameters(state, t.name) for t in spec.tasks},
+                           task_states={t.name: spec.task_view(spec.strategy.task_parameters(state, t.name), t.name)
+                                        for t in spec.tasks},
                            label_names={t.name: t.label_names for t in spec.tasks}, base_model_id=spec.base_model_id,
                            card=str(_multi_adapter_card(spec, results, metrics)))
     if "compact" not in exports:
@@ -117,6 +127,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         base_model_id=spec.base_model_id,
         **spec.strategy.compact_form(state),
         label_names={t.name: t.label_names for t in spec.tasks},
+        **({"head_rows": spec.output_space.rows, "head_keys": spec.head_keys}
+           if spec.output_space is not None and spec.output_space.shared else {}),
         card=_compact_card(spec, results),
         overwrite=True,
     )

@@ -16,7 +16,10 @@ carries `content` and the `peft_config_hash` of adapter_config.json, so mixed-up
                          flattened in the header's `mask_keys` order, concatenated and bit-packed
                          (numpy packbits layout); `mask_shapes` holds the keys' shapes
     rescalers.json       {task: λ_t}
-    heads.safetensors    `<task>::<PEFT key>` -> the task's head tensors (modules_to_save)
+    heads.safetensors    `<task>::<PEFT key>` -> the task's head tensors (modules_to_save); empty when
+                         one head is shared by all tasks (a shared output space): that head is then
+                         part of the shared keys, and tasks.json gives its `head_keys` and each
+                         task's `head_rows` [start, stop), the rows its adapter carries
     README.md            the card, when given
 """
 
@@ -66,6 +69,8 @@ def save_compact(
     rescalers: Mapping[str, float],
     heads: Mapping[str, Mapping[str, torch.Tensor]],
     label_names: Mapping[str, Sequence[str]] | None = None,
+    head_rows: Mapping[str, tuple[int, int]] | None = None,
+    head_keys: Sequence[str] = (),
     card: str | None = None,
     task_folders: bool = False,
     overwrite: bool = False,
@@ -74,12 +79,14 @@ def save_compact(
 
     `init` and `unified` map the shared PEFT keys (saved naming) to tensors of equal shape and dtype;
     `masks[t]` maps the same keys to bool tensors; `heads[t]` maps the head keys to task t's head.
+    With one head shared by all tasks, `heads[t]` are empty, `head_keys` name that head's keys among
+    the shared ones and `head_rows[t]` is the slice of its outputs task t's adapter carries.
     `base_model_id` is recorded in adapter_config.json (a Hub id keeps the export portable). The
     folder is built beside `folder` and swapped in when complete; a non-empty folder that is not a
     compact export is only replaced with `overwrite=True` (else OutputDirError). Bad arguments
     raise ValueError."""
     tasks = list(masks)
-    num_labels = _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names or {})
+    num_labels = _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names or {}, head_rows, head_keys)
     out = Path(folder).absolute()
     if out.is_dir() and any(out.iterdir()) and not is_compact(out) and not overwrite:
         raise OutputDirError(f"{out} is not empty and not a compact export; pass overwrite=True to replace it")
@@ -101,9 +108,10 @@ def save_compact(
         TaskVector(stacked_heads).save(staging / HEADS_FILE, {**header, "content": "heads"})
         (staging / RESCALERS_FILE).write_text(json.dumps({t: float(rescalers[t]) for t in tasks}, indent=2))
         info = [{"name": t, "num_labels": num_labels[t],
-                 "label_names": list(label_names[t]) if label_names and t in label_names else None} for t in tasks]
-        (staging / TASKS_FILE).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
-                                                      "tasks": info}, indent=2))
+                 "label_names": list(label_names[t]) if label_names and t in label_names else None,
+                 **({"head_rows": list(head_rows[t])} if head_rows else {})} for t in tasks]
+        (staging / TASKS_FILE).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "tasks": info,
+                                                      **({"head_keys": list(head_keys)} if head_rows else {})}, indent=2))
         if card is not None:
             (staging / CARD_FILE).write_text(str(card), encoding="utf-8")
         if task_folders:
@@ -113,7 +121,8 @@ def save_compact(
     return out
 
 
-def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names) -> dict[str, int]:
+def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names, head_rows=None,
+                     head_keys=()) -> dict[str, int]:
     """Raise ValueError on inconsistent arguments; return num_labels per task."""
     if not tasks:
         raise ValueError("no tasks to save")
@@ -132,6 +141,8 @@ def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names)
             raise ValueError(f"mask of {t!r} must hold bool tensors")
         if not math.isfinite(rescalers[t]):
             raise ValueError(f"rescaler of {t!r} is {rescalers[t]}")
+    if head_rows is not None:
+        return _check_shared_head(tasks, init, heads, label_names, head_rows, head_keys)
     head_keys = list(heads[tasks[0]])
     if not head_keys or set(head_keys) & set(init):
         raise ValueError("heads must be non-empty and disjoint from the shared keys")
@@ -145,6 +156,23 @@ def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names)
         num_labels[t] = int(weights[-1].shape[0])  # the output layer is the head's last in module order
         if label_names.get(t) is not None and len(label_names[t]) != num_labels[t]:
             raise ValueError(f"{len(label_names[t])} label names for the {num_labels[t]} outputs of the head of {t!r}")
+    return num_labels
+
+
+def _check_shared_head(tasks, init, heads, label_names, head_rows, head_keys) -> dict[str, int]:
+    if not head_keys or not set(head_keys) <= set(init):
+        raise ValueError("head_keys must name the shared head's keys among init's")
+    if set(head_rows) != set(tasks) or any(len(heads[t]) for t in tasks):
+        raise ValueError("a shared head needs head_rows for every task and no per-task heads")
+    width = int(init[head_keys[0]].shape[0])
+    num_labels = {}
+    for t in tasks:
+        start, stop = head_rows[t]
+        if not 0 <= start < stop <= width:
+            raise ValueError(f"head_rows of {t!r} are {head_rows[t]}, outside the shared head's {width} outputs")
+        num_labels[t] = stop - start
+        if label_names.get(t) is not None and len(label_names[t]) != num_labels[t]:
+            raise ValueError(f"{len(label_names[t])} label names for the {num_labels[t]} rows of {t!r}")
     return num_labels
 
 
@@ -180,7 +208,14 @@ class _CompactFolder:
             if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
                     and isinstance(entry.get("num_labels"), int)):
                 raise TaskVectorError(f"{self.folder / TASKS_FILE}: bad task entry {entry!r}")
+            rows = entry.get("head_rows")
+            if rows is not None and not (isinstance(rows, list) and len(rows) == 2
+                                         and all(isinstance(r, int) for r in rows) and 0 <= rows[0] < rows[1]):
+                raise TaskVectorError(f"{self.folder / TASKS_FILE}: task {entry['name']!r} has bad head_rows {rows!r}")
             self.tasks[entry["name"]] = entry
+        self.head_keys = info.get("head_keys") or []
+        if not (isinstance(self.head_keys, list) and all(isinstance(k, str) for k in self.head_keys)):
+            raise TaskVectorError(f"{self.folder / TASKS_FILE}: bad head_keys {self.head_keys!r}")
         try:
             self.config_json = (self.folder / CONFIG_NAME).read_bytes()
             config = json.loads(self.config_json)
@@ -230,6 +265,12 @@ class _CompactFolder:
             mask = flat[offset : offset + n].reshape(shape)
             state[key] = self.init[key] + self.unified[key] * mask * float(lam)
             offset += n
+        rows = self.tasks[task].get("head_rows")
+        if rows is not None:  # a shared head: its keys are among the shared ones; the task's rows of it
+            missing = [k for k in self.head_keys if k not in state] or ([] if self.head_keys else ["head_keys"])
+            if missing:
+                raise TaskVectorError(f"{self.folder / TASKS_FILE}: shared head key {missing[0]!r} is not in {INIT_FILE}")
+            return TaskVector({k: v[rows[0]:rows[1]] if k in self.head_keys else v for k, v in state.items()})
         prefix = f"{task}{_HEAD_SEP}"
         head = {k[len(prefix):]: v for k, v in self.heads.items() if k.startswith(prefix)}
         if not head:

@@ -35,7 +35,9 @@ image models name. Other `modules_to_save` (e.g. the backbone for peft_method "f
 class PeftHost:
     """The single in-memory PEFT model, its input preparer (`inputs`: tokenizer-based for text
     models, image-processor-based for vision models), and the split of its trainable parameters
-    into *shared* PEFT-module keys and *head* keys (the per-task classification head).
+    into *shared* PEFT-module keys and *head* keys (the per-task classification head). With
+    `shared_head` > 0 (a shared output space, `hf_fedtask.model.output_space`) one head of that many
+    outputs belongs to the shared state instead and tasks have no head of their own.
 
     The model starts with PEFT's "default" adapter; `adapter(name)` switches to another named one
     (same config, same saved keys), as FedYolo does with one adapter per task."""
@@ -48,8 +50,11 @@ class PeftHost:
         seed: int = 0,
         max_length: int = 32,
         attn_implementation: str | None = None,
+        shared_head: int = 0,
     ):
         self.base = base
+        self.seed = seed
+        self.shared_head = shared_head
         self.peft_config = peft_config
         self.inputs = load_inputs(base, max_length)
         if peft_config.task_type != self.inputs.peft_head.get("task_type"):
@@ -143,11 +148,19 @@ class PeftHost:
         inner.config.num_labels = num_labels
 
     def initial_shared(self) -> TaskVector:
-        """The seeded PEFT-module init: the origin every task vector is measured from."""
-        return self.state().filter(lambda k: k in self.shared_keys)
+        """The seeded PEFT-module init (with the shared head, if any): the origin every task vector is
+        measured from."""
+        modules = self.state().filter(lambda k: k in self.shared_keys)
+        if not self.shared_head:
+            return modules
+        return TaskVector({**modules, **self._fresh_head(self.shared_head, seed=self.seed * 1000 + 999)})
 
     def initial_head(self, num_labels: int, seed: int) -> TaskVector:
-        """A fresh head for a task, initialised as the backbone's own classifier init would be."""
+        """A fresh head for a task, initialised as the backbone's own classifier init would be; empty
+        when the head is shared (it is part of `initial_shared`)."""
+        return TaskVector({}) if self.shared_head else self._fresh_head(num_labels, seed)
+
+    def _fresh_head(self, num_labels: int, seed: int) -> TaskVector:
         in_features = self._heads[0].modules_to_save[self._heads[0].active_adapter].in_features
         std = getattr(self.model.get_base_model().config, "initializer_range", 0.02)
         gen = torch.Generator().manual_seed(seed)

@@ -66,7 +66,10 @@ class FedPer(Strategy):
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
-        state.scalars["personal_keys"] = last_block_keys(list(state.vectors[SHARED]), self.config.personal_blocks)
+        shared = list(state.vectors[SHARED])
+        head = [k for k in shared if k in host.head_keys]  # a shared output space's head stays personal too
+        state.scalars["personal_keys"] = last_block_keys([k for k in shared if k not in head],
+                                                         self.config.personal_blocks) + head
         return state
 
     def _split(self, state: GlobalState, tv: TaskVector) -> tuple[TaskVector, TaskVector]:

@@ -191,6 +191,9 @@ class TCT(Strategy):
         self.features = FeatureCache()
 
     def check_run(self, config) -> None:
+        if config.output_space != "per_task":
+            raise ConfigError(f"strategy 'tct' does not support output_space {config.output_space!r}: its stage-2 "
+                              "linear model is fitted per task over that task's labels (use output_space per_task)")
         if config.participation < 1:
             raise ConfigError(f"strategy 'tct' needs every client in every round (participation 1, got "
                               f"{config.participation}): its normalization round and stage-2 solver assume it")

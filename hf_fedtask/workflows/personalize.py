@@ -49,7 +49,7 @@ def fine_tune_locally(env: Environment, state: GlobalState, *, epochs: float = 1
             start = env.strategy.task_parameters(state, name, stores)
             trained, _ = trainer.train(start, data[name], seed=job.seed_for(name))
             metric = env.task_by_name[name].metric
-            scores[name].append(evaluate(env.host, trained, env.test_data(name), metric,
+            scores[name].append(evaluate(env.host, env.task_view(trained, name), env.test_data(name), metric,
                                          env.config.eval_batch_size)[metric])
     return scores
 
