@@ -84,7 +84,8 @@ def test_comparison_recipe_writes_both_tables_over_seeds(tiny_bert_dir, tiny_tas
 
     out = tmp_path / "cmp"
     flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--methods", "matu", "fedavg", "--rounds", "1",
-                                                             "--seeds", "0", "1", "--partition", "iid"]
+                                                             "--seeds", "0", "1", "--partition", "iid",
+                                                             "--settings", "single_task", "multi_task"]
     assert load_recipe("matu_8task").main(flags) == 0
     rows = json.loads((out / "comparison.json").read_text())
     assert set(rows) == {"single_task", "multi_task"}
