@@ -79,6 +79,13 @@ def test_tct_refuses_a_shared_output_space(tiny_config):
         run(config)
 
 
+def test_individual_centralized_refuses_a_shared_output_space(tiny_config):
+    from hf_fedtask.workflows.reference import individual_centralized
+
+    with pytest.raises(ConfigError, match="output_space 'union' does not apply"):
+        individual_centralized([], tiny_config.for_strategy("fedavg", output_space="union"))
+
+
 def test_fedavg_sends_every_client_the_same_head(tiny_config):
     env = Environment(tiny_config.for_strategy("fedavg", output_space="max", zeta=0.0))
     state, head_key = env.initial, "base_model.model.classifier.weight"

@@ -11,6 +11,7 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import SUITE_VERSION
 from hf_fedtask.data.task import Task
 from hf_fedtask.engine.environment import build_host, build_trainer
+from hf_fedtask.errors import ConfigError
 
 # The recipe keys recorded with shipped reference values.
 RECIPE_KEYS = ("base_model", "peft_method", "lora_r", "lora_alpha", "max_length", "local_epochs", "batch_size",
@@ -20,6 +21,9 @@ RECIPE_KEYS = ("base_model", "peft_method", "lora_r", "lora_alpha", "max_length"
 def individual_centralized(tasks: list[Task], config: RunConfig) -> dict[str, dict]:
     """Train one adapter + head per task from the shared init for `config.local_epochs` epochs on
     the full train split; return `{task: {metric: value, "num_examples": n}}` on the test split."""
+    if config.output_space != "per_task":
+        raise ConfigError(f"individual centralized training fits one head per task: output_space "
+                          f"{config.output_space!r} does not apply (use per_task)")
     host = build_host(config)
     trainer = build_trainer(host, config)
     shared = host.initial_shared()
