@@ -81,6 +81,11 @@ PAPER_PROTOCOL = ("fedavg", "fedprox")
 """Rows whose wire protocol the paper's FedAvg one-adapter-per-task count applies to."""
 
 
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean over seeds, and the standard deviation when there is more than one."""
+    return float(np.mean(values)), float(np.std(values)) if len(values) > 1 else None
+
+
 def summary_rows(results_by_strategy: dict[str, dict | list[dict]], base_model: str) -> list[dict]:
     """One row per method (plus the individual-centralized reference when one ships); a method's
     results may be a list over seeds, whose mean and standard deviation the row holds."""
@@ -93,22 +98,20 @@ def summary_rows(results_by_strategy: dict[str, dict | list[dict]], base_model: 
         rows.append({"method": INDIVIDUAL, "tasks": accs, "mean": sum(accs.values()) / len(accs), "normalized": 1.0,
                      "bytes_per_round": 0, "seeds": 0})
     for name, runs in by_method.items():
-        def stat(values):
-            return float(np.mean(values)), float(np.std(values)) if len(values) > 1 else None
         means = [r["mean_metric"] for r in runs]
         norms = [r["mean_normalized"] for r in runs]
         row = {
             "method": name,
             "seeds": len(runs),
-            "tasks": {t: stat([r["tasks"][t][r["tasks"][t]["metric"]] for r in runs])[0] for t in tasks},
-            "mean": stat(means)[0], "mean_std": stat(means)[1],
-            "normalized": stat(norms)[0] if None not in norms else None,
-            "normalized_std": stat(norms)[1] if None not in norms else None,
+            "tasks": {t: _mean_std([r["tasks"][t][r["tasks"][t]["metric"]] for r in runs])[0] for t in tasks},
+            "mean": _mean_std(means)[0], "mean_std": _mean_std(means)[1],
+            "normalized": _mean_std(norms)[0] if None not in norms else None,
+            "normalized_std": _mean_std(norms)[1] if None not in norms else None,
             "bytes_per_round": float(np.mean([(r["bytes_uplink"] + r["bytes_downlink"]) / max(r["rounds"], 1)
                                               for r in runs])),
         }
         if all("mean_metric_compact" in r for r in runs):
-            row["mean_compact"], row["mean_compact_std"] = stat([r["mean_metric_compact"] for r in runs])
+            row["mean_compact"], row["mean_compact_std"] = _mean_std([r["mean_metric_compact"] for r in runs])
         if runs[0]["strategy"] in PAPER_PROTOCOL:
             paper = [paper_fedavg_bytes_per_round(r, Path(r["config"]["output_dir"])) for r in runs]
             row["paper_bytes_per_round"] = float(np.mean(paper)) if None not in paper else None
