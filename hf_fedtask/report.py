@@ -52,6 +52,16 @@ def run_report(config, results: dict) -> str:
     return "\n".join(lines)
 
 
+def evaluated(history: list[dict]) -> list[dict]:
+    """The round records that carry an evaluation (`eval_every` > 1 leaves the others without)."""
+    return [h for h in history if "eval" in h]
+
+
+def forgetting(record: dict) -> bool:
+    """Whether the round negated forgotten tasks' or clients' updates."""
+    return any(k in record for k in ("forgotten_tasks", "forgotten", "forgotten_clients"))
+
+
 def headline_metric(record: dict, task: str) -> float:
     """A round record's headline metric for `task` (the first one its evaluation reports)."""
     return next(v for k, v in record["eval"][task].items() if k != "num_examples")
@@ -116,6 +126,7 @@ def _save_round_plot(fig, ax, path: Path, title: str) -> Path:
 def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Path:
     """PNG of each task's metric and the mean over rounds."""
     plt = pyplot()
+    history = evaluated(history)
     rounds = [h["round"] for h in history]
     tasks = list(history[0]["eval"])
     labelled = len(tasks) <= 10  # beyond that a legend is unreadable: draw tasks in grey
@@ -132,8 +143,9 @@ def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], t
     """PNG of the forgotten tasks' metric (with their chance level) and every retained task's, per
     round, with the round unlearning started marked."""
     plt = pyplot()
+    start = next(h["round"] for h in history if forgetting(h))
+    history = evaluated(history)
     rounds = [h["round"] for h in history]
-    start = next(h["round"] for h in history if "forgotten" in h or "forgotten_clients" in h)
     forgotten = list(next((h["forgotten"] for h in history if "forgotten" in h), {}))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for task in history[0]["eval"]:
@@ -149,15 +161,20 @@ def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], t
     return _save_round_plot(fig, ax, path, title)
 
 
-def plot_curves_by_setting(curves: dict[str, dict[str, list[float]]], titles: dict[str, str], path: Path,
+def mean_curve(history: list[dict]) -> dict[int, float]:
+    """Round -> mean metric in %, over the evaluated rounds."""
+    return {h["round"]: 100 * h["mean_metric"] for h in evaluated(history)}
+
+
+def plot_curves_by_setting(curves: dict[str, dict[str, dict[int, float]]], titles: dict[str, str], path: Path,
                            ylabel: str = "test accuracy (%)") -> Path:
-    """One panel per setting, one line per method over rounds (`curves[setting][method]`): the
-    per-round figure of the method-comparison recipes."""
+    """One panel per setting, one line per method over rounds (`curves[setting][method]`: round ->
+    value, `mean_curve`): the per-round figure of the method-comparison recipes."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 3.4), squeeze=False)
     for ax, (setting, by_method) in zip(axes[0], curves.items()):
         for method, values in by_method.items():
-            ax.plot(range(1, len(values) + 1), values, label=method)
+            ax.plot([int(r) for r in values], list(values.values()), label=method)
         ax.set_title(titles[setting], fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)

@@ -37,7 +37,7 @@ from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.core.state import SHARED, head_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
 from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
-from hf_fedtask.engine.run import open_finished_run, run  # noqa: E402
+from hf_fedtask.engine.run import open_finished_run, read_history, run  # noqa: E402
 from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
@@ -100,7 +100,7 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
         evals = Server(finished.env).evaluate(finished.state)[task]
         rows[name] = {"ta": evals["accuracy"], "bsr": evals[BSR], "w": None,
                       "bsr_train": poisoned_bsr(finished.env, finished.state, target, task)}
-    history = [json.loads(line) for line in (negated / "metrics.jsonl").read_text().splitlines()]
+    history = read_history(negated)
     rows[f"FedAvg + negation ({rounds} rounds)"].update(messages=rounds * base.num_clients,
                                                          seconds=sum(r["seconds"] for r in history[-rounds:]))
     return rows

@@ -28,12 +28,9 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE  # noqa: E402
-from hf_fedtask.engine.run import METRICS_FILE, RESULTS_FILE, write_atomic  # noqa: E402
+from hf_fedtask.engine.run import RESULTS_FILE, read_history, write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.report import (
-    headline_metric,  # noqa: E402
-    pyplot,  # noqa: E402
-)
+from hf_fedtask.report import evaluated, headline_metric, pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import presets_beside, recipe_config, recipe_parser  # noqa: E402
 from hf_fedtask.workflows.unlearn import negate_task, unlearn  # noqa: E402
@@ -100,7 +97,8 @@ def _negated(trained: Path, task: str, out: Path) -> dict:
 
 
 def _history(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    """The evaluated rounds of a run (the per-round tables and curves)."""
+    return evaluated(read_history(run_dir))
 
 
 def write_report(base, table: dict, unlearning: dict, forget: str) -> Path:

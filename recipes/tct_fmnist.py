@@ -27,8 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
+from hf_fedtask.engine.run import read_history  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.report import plot_curves_by_setting  # noqa: E402
+from hf_fedtask.report import mean_curve, plot_curves_by_setting  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
 
@@ -84,10 +85,6 @@ def ablation_table(acc: dict, args, splits: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def curves(run_dir: Path) -> list[float]:
-    return [100 * json.loads(line)["mean_metric"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def main(argv=None) -> int:
     parser = recipe_parser(__doc__.splitlines()[0], {})
     parser.add_argument("--settings", nargs="+", choices=sorted(SPLITS), default=list(SPLITS))
@@ -123,7 +120,7 @@ def main(argv=None) -> int:
     if args.ablation_steps:
         text += "\n" + ablation_table(acc, args, splits)
         write_atomic(out / "tct_fmnist_ablation.md", ablation_table(acc, args, splits))
-    per_round = {s: {m: curves(out / s / m) for m in names} for s in splits}
+    per_round = {s: {m: mean_curve(read_history(out / s / m)) for m in names} for s in splits}
     write_atomic(out / "tct_fmnist.json", json.dumps({"final": acc, "central": 100 * central["mean_metric"],
                                                       "per_round": per_round}, indent=1) + "\n")
     plot_curves_by_setting(per_round, {k: SPLITS[k][0] for k in splits}, out / "tct_fmnist.png")

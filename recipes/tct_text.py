@@ -24,8 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
+from hf_fedtask.engine.run import read_history  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.report import plot_curves_by_setting  # noqa: E402
+from hf_fedtask.report import mean_curve, plot_curves_by_setting  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
 
@@ -49,10 +50,6 @@ def methods(args) -> dict[str, dict]:
         out[f"tct_p{p}"] = {"strategy": "tct", "stage1_rounds": args.tct_stage1, "num_features": p,
                             "stage2_steps": args.tct_steps}
     return out
-
-
-def rounds(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def costs(rows: list[dict], stage1: int, p: int, samples: int) -> dict:
@@ -84,13 +81,13 @@ def main(argv=None) -> int:
     out = Path(base.output_dir)
     names = list(methods(args))
     acc = {s: {m: 100 * table[s][m]["mean_metric"] for m in names} for s in settings}
-    per_round = {s: {m: [100 * r["mean_metric"] for r in rounds(out / s / m)] for m in names} for s in settings}
+    per_round = {s: {m: mean_curve(read_history(out / s / m)) for m in names} for s in settings}
     cost = {}
     for s in settings:
         for m in names[1:]:
-            cost[f"{s}/{m}"] = costs(rounds(out / s / m), args.tct_stage1, int(m.split("_p")[1]),
+            cost[f"{s}/{m}"] = costs(read_history(out / s / m), args.tct_stage1, int(m.split("_p")[1]),
                                      base.max_train_samples or 0)
-    fedavg_round = {s: statistics.median(r["seconds"] for r in rounds(out / s / "fedavg")) for s in settings}
+    fedavg_round = {s: statistics.median(r["seconds"] for r in read_history(out / s / "fedavg")) for s in settings}
     lines = [f"**builtin-8, MiniLM + LoRA r={base.lora_r}, {base.rounds} rounds, {base.max_train_samples} training "
              f"samples per task, mean test accuracy % after the last round; TCT: T₁ = {args.tct_stage1}, "
              f"M = {args.tct_steps}**", "",

@@ -39,7 +39,7 @@ from hf_fedtask.engine.transport import InProcessTransport, Transport
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters
 from hf_fedtask.export.compact import storage_report
-from hf_fedtask.report import forgotten_what, plot_metric_vs_round, plot_unlearning
+from hf_fedtask.report import evaluated, forgetting, forgotten_what, plot_metric_vs_round, plot_unlearning
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,11 @@ def restore(env: Environment, run_dir: str | Path, fingerprint: str,
                            template=lambda scalars: env.strategy.state_template(initial, scalars))
 
 
+def read_history(run_dir: str | Path) -> list[dict]:
+    """A run's round records, from its metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines()]
+
+
 def checkpoint_allocation(run_dir: str | Path) -> dict[int, list[str]]:
     """The task allocation recorded in a checkpoint's header (so no data need be partitioned)."""
     from safetensors import safe_open
@@ -182,14 +187,15 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
         rounds = tqdm(range(state.round + 1, config.rounds + 1), desc="rounds", initial=state.round,
                       total=config.rounds, dynamic_ncols=True)
         for r in rounds:
-            state, record = server.round(state, r, transport)
+            state, record = server.round(state, r, transport, evaluate=r % config.eval_every == 0 or r == config.rounds)
             history.append(record)
             save_checkpoint(run_dir, state, history=history, fingerprint=config.fingerprint(),
                             stores=transport.stores, **env.header())
             with open(run_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(record) + "\n")
             tracker.log(record)
-            rounds.set_postfix(mean=f"{record['mean_metric']:.3f}")
+            if "mean_metric" in record:
+                rounds.set_postfix(mean=f"{record['mean_metric']:.3f}")
             for cb in callbacks:
                 cb(RoundContext(r, state, record))
         tracker.close()
@@ -261,7 +267,7 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
     """results.json: final per-task metrics (normalized by the shipped individual-centralized
     reference where one exists for the task and base model) and the run's metadata."""
     config, strategy = env.config, env.strategy
-    final = history[-1]["eval"] if history else Server(env).evaluate(state, transport, stores)
+    final = history[-1]["eval"] if history and "eval" in history[-1] else Server(env).evaluate(state, transport, stores)
     compact = Server(env).evaluate_compact(state)  # the storage-saving export's own accuracy, reported beside
     reference = shipped_reference(config.base_model)
     tasks = {}
@@ -311,10 +317,10 @@ def unlearning_summary(history: list[dict], env: Environment, state: GlobalState
         return {}
     options = env.strategy.config
     forget, forget_clients = options.forget_tasks or [], options.forget_clients or []
-    first = next((h for h in history if "forgotten" in h or "forgotten_clients" in h), None)
+    first = next((h for h in history if forgetting(h)), None)
     if first is None:
         return {}
-    before = next((h for h in reversed(history) if h["round"] < first["round"]), None)
+    before = next((h for h in reversed(evaluated(history)) if h["round"] < first["round"]), None)
     holders = sorted({c for c, tasks in state.allocation.items() if set(tasks) & set(forget)} | set(forget_clients))
     return {"unlearning": {
         "method": "federated: the updates of the forgotten clients (and of the clients holding the forgotten tasks) "
@@ -325,7 +331,7 @@ def unlearning_summary(history: list[dict], env: Environment, state: GlobalState
         "from_round": first["round"],
         "rounds": history[-1]["round"] - first["round"] + 1,
         "before": {t: before["eval"][t] for t in before["eval"]} if before else None,
-        "after": history[-1]["eval"],
+        "after": evaluated(history)[-1]["eval"],
     }}
 
 
@@ -346,10 +352,12 @@ class _Tracker:
     def log(self, record: dict) -> None:
         if self.accelerator is None:
             return
-        values = {"mean_metric": record["mean_metric"], "bytes_uplink": record["bytes_uplink"]}
+        values = {"bytes_uplink": record["bytes_uplink"]}
+        if "mean_metric" in record:
+            values["mean_metric"] = record["mean_metric"]
         if record["train_loss"] is not None:
             values["train_loss"] = record["train_loss"]
-        for task, ev in record["eval"].items():
+        for task, ev in record.get("eval", {}).items():
             values.update({f"eval/{task}/{k}": v for k, v in ev.items() if k != "num_examples"})
         self.accelerator.log(values, step=record["round"])
 

@@ -92,7 +92,9 @@ class Server:
         return (self.strategy.config.forget_clients or []) if self.strategy.capabilities.federated_unlearning else []
 
     # -- one round ------------------------------------------------------------------------------------
-    def round(self, state: GlobalState, round_: int, transport: Transport) -> tuple[GlobalState, dict]:
+    def round(self, state: GlobalState, round_: int, transport: Transport,
+              evaluate: bool = True) -> tuple[GlobalState, dict]:
+        """One round; `evaluate=False` skips the test splits (the record then has no `eval`)."""
         start = time.perf_counter()
         strategy, header, allocation = self.strategy, self.env.header(), state.allocation
         state = strategy.server_step(state, self.env)
@@ -128,7 +130,7 @@ class Server:
             updates = [secure.finish(lambda survivor, dropped: self._reveal(survivor, dropped, round_, secure,
                                                                             transport))]  # the sum only
         state = strategy.server_aggregate(state, updates)
-        evals = self.evaluate(state, transport)
+        evals = self.evaluate(state, transport) if evaluate else None
         return state, self._record(round_, kind, received, failed, updates, evals, traffic, start)
 
     def _key_exchange(self, state, round_, clients, transport) -> tuple[SecureAggregation, list[int]]:
@@ -160,7 +162,6 @@ class Server:
         write_atomic(folder / f"client_{client}.downlink.safetensors", downlink)
 
     def _record(self, round_, kind, received, failed, updates, evals, traffic, start) -> dict:
-        tasks = self.env.tasks
         losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
         forget = self.forgotten_tasks
         record = {
@@ -169,10 +170,8 @@ class Server:
             "clients": received,
             **({"failed_clients": {str(c): why for c, why in failed.items()}} if failed else {}),
             "train_loss": float(np.mean(losses)) if losses else None,
-            "eval": evals,
-            "mean_metric": float(np.mean([evals[t.name][t.metric] for t in tasks])),
-            **nonlinear_mean(evals, tasks),
-            **forgetting_metrics(evals, tasks, forget),
+            **(self._scores(evals) if evals is not None else {}),
+            **({"forgotten_tasks": forget} if forget else {}),
             **({"forgotten_clients": self.forgotten_clients} if self.forgotten_clients else {}),
             "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
             "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
@@ -182,6 +181,12 @@ class Server:
             "seconds": round(time.perf_counter() - start, 3),
         }
         return record
+
+    def _scores(self, evals: dict[str, dict]) -> dict:
+        """The evaluation part of a round record."""
+        tasks = self.env.tasks
+        return {"eval": evals, "mean_metric": float(np.mean([evals[t.name][t.metric] for t in tasks])),
+                **nonlinear_mean(evals, tasks), **forgetting_metrics(evals, tasks, self.forgotten_tasks)}
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, state: GlobalState, transport: Transport | None = None,
