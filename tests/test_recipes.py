@@ -31,6 +31,7 @@ def test_main_job_prints_the_table_and_leaves_everything_a_user_needs(tiny_bert_
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert results["strategy"] == "matu" and results["config"]["zeta"] == 0.2 and results["rounds"] == 2
+    assert results["config"]["eval_every"] == 4  # the main job evaluates every 4th round and after the last
     for task, r in results["tasks"].items():
         assert task in printed and f"{r['accuracy']:.4f}" in printed
         assert (out / "adapters" / task / "adapter_model.safetensors").exists()
