@@ -1,19 +1,28 @@
 """Streaming merges versus peft's stacked ones: time and peak extra memory on N task vectors of d floats.
 
-Inputs: N task vectors, float32, `torch.randn` from a seeded generator. The d entries are split over
-8 parameter tensors `layers.{0..7}.weight` holding 30, 20, 15, 10, 10, 8 and 5% of d (each size made
-odd, so chunks straddle tensors at unaligned offsets) and the rest; they are 1-D because every method
-here works elementwise on flattened tensors (peft's `ties` included). Weights w_t = 0.5 + t/N (not all
+Inputs: N task vectors, float32, `torch.randn` from a seeded generator, in one of two layouts:
+  tensors8  (default) the d entries split over 8 parameter tensors `layers.{0..7}.weight` holding 30,
+            20, 15, 10, 10, 8 and 5% of d (each size made odd, so chunks straddle tensors at
+            unaligned offsets) and the rest
+  lora      a real LoRA adapter's many small tensors: r=16 on q, k, v, o, gate, up and down of a
+            Llama-7B-shaped model (hidden 4096, MLP 11008), lora_A (16×in) and lora_B (out×16) per
+            module, as many layers as fit in d (14 tensors of 65,536 or 176,128 entries per layer)
+Every method works elementwise on flattened tensors (peft's `ties` included). Weights w_t = 0.5 + t/N (not all
 1, as FedAvg-style weights would not be), density 0.2, majority sign "total", per-tensor trimming.
 
 Methods, each called on the same inputs:
   floor          Σ_t τ_t as a running sum in cache-sized chunks: one read of the N·d floats, the
                  least any merge of N vectors must do
-  ties           hf_fedtask.merge.ties (streaming)
+  ties           hf_fedtask.merge.ties: the fused numba kernels (threshold selection without a sort,
+                 then trim + elect + disjoint mean in one pass)
+  ties_select    the threshold selection alone (where ties' time goes: the rest is the merge pass)
+  ties_torch     hf_fedtask.merge.ties(backend="torch"): the streaming torch reference, checked
+                 equal to ties bit for bit before any ratio is printed
   peft_ties      peft.utils.merge_utils.ties once per parameter, as peft's add_weighted_adapter
                  applies it (it torch.stack-s the N tensors of the parameter, and copies the stack
                  several times)
-  unify          hf_fedtask.merge.unify (streaming; global-sum rescalers; bit-packed masks)
+  unify          hf_fedtask.merge.unify (one fused numba pass; global-sum rescalers; bit-packed masks)
+  unify_torch    hf_fedtask.merge.unify(backend="torch"): the streaming torch reference
   stacked_unify  unify's math written plainly on stacked tensors (`stacked_unify` below: stack the
                  N flattened vectors, elect the sign, take the largest agreeing magnitude, one bool
                  mask per task, the rescalers). It is what unify is timed against: peft has no
@@ -22,8 +31,11 @@ Methods, each called on the same inputs:
                  rescalers to 1e-6 relative) before any ratio is printed.
 
 Ratios, each named by what is divided by what (time = best wall time, mem = peak extra memory):
-  ties_time/floor_time, unify_time/floor_time   cost over the floor (goal ≤ 2)
-  peft_ties_time/ties_time                      speed-up of our ties over peft's ties (goal ≥ 3)
+  ties_time/floor_time                          cost over the floor (goal ≤ 4)
+  unify_time/floor_time                         cost over the floor (goal ≤ 2)
+  ties_select_time/floor_time                   the selection's share of ties, in floors
+  ties_torch_time/ties_time, unify_torch_time/unify_time   the fused kernels over the torch path
+  peft_ties_time/ties_time                      speed-up of our ties over peft's ties (goal ≥ 10)
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
   stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify
   unify_mem/stacked_unify_mem                   streaming unify's peak extra memory over stacked's
@@ -37,9 +49,11 @@ cannot be written, a thread samples the RSS every millisecond (psutil) instead. 
 freed heap memory is handed back to the OS (gc, then glibc's malloc_trim), so calls start from the
 same baseline. Peaks are floored at one page, so that ratios stay finite at tiny sizes.
 
-Goals (the issue): ours ≤ 2× the floor, ≥ 3× faster than peft, ≤ 1/5 of peft's peak extra memory.
+Goals: ties ≤ 4× and unify ≤ 2× the floor, ties ≥ 10× faster than peft at ≤ 1/5 of its peak extra
+memory, at 1 and at 2 threads.
 
-    python benchmarks/merge_bench.py                  # N=30, d=10M (≈1.2 GB of inputs)
+    python benchmarks/merge_bench.py --threads 1      # N=30, d=10M (≈1.2 GB of inputs)
+    python benchmarks/merge_bench.py --threads 1 --layout lora
     python benchmarks/merge_bench.py --quick          # N=4, d=200k, best of 2 calls each: a smoke run
 """
 
@@ -58,30 +72,49 @@ from peft.utils import merge_utils as peft_merge
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import ties, unify
-from hf_fedtask.merge.streaming import chunk_len
+from hf_fedtask.merge.streaming import Layout, chunk_len
+from hf_fedtask.merge.ties import _select_all
 
 FRACTIONS = (0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05)
+LORA_R = 16
+LORA_MODULES = (("q_proj", 4096, 4096), ("k_proj", 4096, 4096), ("v_proj", 4096, 4096), ("o_proj", 4096, 4096),
+                ("gate_proj", 4096, 11008), ("up_proj", 4096, 11008), ("down_proj", 11008, 4096))
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # ratio name -> (goal, True when the ratio must be at least the goal); None: reported without a goal
 GOALS = {
-    "ties_time/floor_time": (2.0, False),
+    "ties_time/floor_time": (4.0, False),
     "unify_time/floor_time": (2.0, False),
-    "peft_ties_time/ties_time": (3.0, True),
+    "ties_select_time/floor_time": None,
+    "ties_torch_time/ties_time": None,
+    "unify_torch_time/unify_time": None,
+    "peft_ties_time/ties_time": (10.0, True),
     "ties_mem/peft_ties_mem": (0.2, False),
     "stacked_unify_time/unify_time": None,
     "unify_mem/stacked_unify_mem": None,
 }
 
 
-def make_inputs(n: int, d: int, seed: int) -> list[TaskVector]:
-    """N seeded float32 task vectors of d entries over 8 tensors (see the module docstring)."""
-    sizes = [max(1, int(f * d)) | 1 for f in FRACTIONS]
-    sizes.append(d - sum(sizes))
-    if sizes[-1] < 0:
-        raise ValueError(f"--d {d} is too small for the 8-tensor layout")
+def layout_sizes(layout: str, d: int) -> dict[str, int]:
+    """Parameter name -> entries for a layout (see the module docstring)."""
+    if layout == "tensors8":
+        sizes = [max(1, int(f * d)) | 1 for f in FRACTIONS]
+        sizes.append(d - sum(sizes))
+        if sizes[-1] < 0:
+            raise ValueError(f"--d {d} is too small for the 8-tensor layout")
+        return {f"layers.{i}.weight": s for i, s in enumerate(sizes)}
+    per_layer = {name: (in_, out) for name, in_, out in LORA_MODULES}
+    layer = sum(LORA_R * (i + o) for i, o in per_layer.values())
+    if d < layer:
+        raise ValueError(f"--d {d} is too small for one LoRA layer ({layer:,} entries)")
+    return {f"layers.{n}.{name}.lora_{ab}.weight": LORA_R * (in_ if ab == "A" else out)
+            for n in range(d // layer) for name, (in_, out) in per_layer.items() for ab in "AB"}
+
+
+def make_inputs(n: int, d: int, seed: int, layout: str = "tensors8") -> list[TaskVector]:
+    """N seeded float32 task vectors of (about, for lora) d entries in `layout`."""
+    sizes = layout_sizes(layout, d)
     g = torch.Generator().manual_seed(seed)
-    return [TaskVector({f"layers.{i}.weight": torch.randn(s, generator=g) for i, s in enumerate(sizes)})
-            for _ in range(n)]
+    return [TaskVector({key: torch.randn(s, generator=g) for key, s in sizes.items()}) for _ in range(n)]
 
 
 def floor(vectors: list[TaskVector]) -> dict[str, torch.Tensor]:
@@ -215,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--repeat", type=int, default=2, help="calls per method; the best time and smallest peak count")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--layout", choices=("tensors8", "lora"), default="tensors8")
     p.add_argument("--quick", action="store_true", help="smoke run: N=4, d=200,000, best of 2 calls per method")
     args = p.parse_args(argv)
     if args.quick:
@@ -222,15 +256,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    vectors = make_inputs(args.n, args.d, args.seed)
+    if args.quick and args.layout == "lora":
+        args.d = 1_250_000  # one layer
+    vectors = make_inputs(args.n, args.d, args.seed, args.layout)
+    args.d = sum(t.numel() for t in vectors[0].values())
     weights = [0.5 + t / args.n for t in range(args.n)]
-    print(f"N={args.n} d={args.d:,} float32 ({args.n * args.d * 4 / 2**20:,.0f} MiB of inputs), density "
+    ties(vectors[:2], weights[:2], args.density)  # compile the kernels (cached on disk) outside the timings
+    unify(vectors[:2])
+    layout = Layout(vectors)
+    flats = [layout.flat_views(tv) for tv in vectors]
+    print(f"layout {args.layout} ({len(vectors[0])} tensors), N={args.n} d={args.d:,} float32 ({args.n * args.d * 4 / 2**20:,.0f} MiB of inputs), density "
           f"{args.density}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     runs = {
         "floor": lambda: floor(vectors),
         "ties": lambda: ties(vectors, weights, args.density),
+        "ties_select": lambda: _select_all(flats, args.density, "tensor"),
+        "ties_torch": lambda: ties(vectors, weights, args.density, backend="torch"),
         "peft_ties": lambda: peft_ties(vectors, weights, args.density),
         "unify": lambda: unify(vectors),
+        "unify_torch": lambda: unify(vectors, backend="torch"),
         "stacked_unify": lambda: stacked_unify(vectors),
     }
     results, outputs = {}, {}
@@ -238,13 +282,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         seconds, mem, outputs[name] = measure(fn, args.repeat)
         results[name] = (seconds, mem)
     ties_diff = max(float((outputs["ties"][k] - outputs["peft_ties"][k]).abs().max()) for k in vectors[0])
+    if not all(torch.equal(outputs["ties"][k], outputs["ties_torch"][k]) for k in vectors[0]):
+        raise SystemExit("ties and ties_torch disagree: the comparison is void")
+    if not (all(torch.equal(outputs["unify"].vector[k], outputs["unify_torch"].vector[k]) for k in vectors[0])
+            and all(torch.equal(a, b) for a, b in zip(outputs["unify"].masks, outputs["unify_torch"].masks))):
+        raise SystemExit("unify and unify_torch disagree: the comparison is void")
     rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
     outputs.clear()
 
     print(f"\n{'method':<15}{'time s':>10}{'peak extra MiB':>16}")
     for name, (seconds, mem) in results.items():
         print(f"{name:<15}{seconds:>10.3f}{mem / 2**20:>16.1f}")
-    print(f"max |ties - peft_ties| = {ties_diff:.3g}")
+    print(f"max |ties - peft_ties| = {ties_diff:.3g}; ties == ties_torch and unify == unify_torch (vector, masks)")
     print(f"unify == stacked_unify: unified vector and all {args.n} masks identical, "
           f"max relative rescaler difference {rescaler_diff:.3g}")
 
@@ -253,6 +302,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ratios = {
         "ties_time/floor_time": time_of["ties"] / time_of["floor"],
         "unify_time/floor_time": time_of["unify"] / time_of["floor"],
+        "ties_select_time/floor_time": time_of["ties_select"] / time_of["floor"],
+        "ties_torch_time/ties_time": time_of["ties_torch"] / time_of["ties"],
+        "unify_torch_time/unify_time": time_of["unify_torch"] / time_of["unify"],
         "peft_ties_time/ties_time": time_of["peft_ties"] / time_of["ties"],
         "ties_mem/peft_ties_mem": mem_of["ties"] / mem_of["peft_ties"],
         "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.merge import kernels
 from hf_fedtask.merge.streaming import Layout, Piece, chunk_len, gather, scatter
 
 SIGN_METHODS = ("total", "frequency")
@@ -54,16 +55,23 @@ def task_arithmetic(vectors: Sequence[TaskVector], weights: Sequence[float]) -> 
 
 
 def magnitude_prune(tensor: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the top int(density·n) entries of |tensor|, zero the rest (density ≥ 1 keeps all)."""
+    """Keep the top int(density·n) entries of |tensor|, zero the rest (density ≥ 1 keeps all).
+    Entries tied at the threshold are kept in index order until k are kept (peft's torch.topk
+    leaves that choice unspecified; here it is reproducible, and the same in `ties`' kernels)."""
     if density < 0:
         raise ValueError(f"density must be >= 0, got {density}")
     if density >= 1:
         return tensor
     k = int(density * tensor.numel())
     flat = tensor.reshape(-1)
-    mask = torch.zeros_like(flat)
-    mask[torch.topk(flat.abs(), k=k).indices] = 1
-    return (flat * mask).reshape(tensor.shape)
+    if k == 0:
+        return torch.zeros_like(tensor)
+    magnitude = flat.abs()
+    v = torch.topk(magnitude, k).values.min()
+    keep = magnitude > v
+    tied = (magnitude == v).nonzero().squeeze(1)
+    keep[tied[: k - int(keep.sum())]] = True
+    return (flat * keep).reshape(tensor.shape)
 
 
 @torch.no_grad()
@@ -73,14 +81,17 @@ def ties(
     density: float,
     majority_sign_method: str = "total",
     scope: str = "tensor",
+    backend: str = "auto",
 ) -> TaskVector:
     """TIES: trim each τ_t to `density`, elect the sign per entry from the *unweighted* trimmed
     values (sum for "total", sign count for "frequency"; a tie goes to +), then average the weighted
     agreeing entries over their count (weights act as multipliers, as in peft).
 
     `scope="tensor"` trims each parameter on its own (peft's `ties`); `scope="model"` keeps the top
-    `density` of each task vector as a whole (the TIES paper). Ties at a task's threshold value are
-    broken as torch.topk breaks them, like `magnitude_prune`. Streams over CPU tensors."""
+    `density` of each task vector as a whole (the TIES paper). Entries tied at a task's threshold
+    value are kept in flat order until k are kept, as in `magnitude_prune`. Streams over CPU tensors.
+    `backend`: "numba" (the fused kernels of `kernels`; float32 only), "torch" (the reference
+    streaming path) or "auto" (numba where it applies). Both give the same result bit for bit."""
     check_compatible(vectors, weights)
     _check_method(majority_sign_method)
     if scope not in SCOPES:
@@ -89,9 +100,19 @@ def ties(
         raise ValueError(f"density must be >= 0, got {density}")
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
-    # threshold selection is numpy work (copy, introselect) that releases the GIL: a task per core
-    with ThreadPoolExecutor(max_workers=min(torch.get_num_threads(), len(flats))) as pool:
-        cuts = list(pool.map(lambda flat: _cuts(flat, density, scope), flats))
+    if _use_kernels(backend, layout):
+        cuts = [_cuts(flat, density, scope, selected) for flat, selected in
+                zip(flats, _select_all(flats, density, scope))]
+        lambd = np.array([[-math.inf if cut[k].lambd is None else cut[k].lambd for k in layout.numels]
+                          for cut in cuts])
+        out = layout.empty_flat()
+        kernels.ties_merge(kernels.Plan(layout, flats), lambd, weights, majority_sign_method == "frequency", out)
+        _merge_tied_entries(flats, cuts, weights, majority_sign_method, out)
+        return TaskVector(layout.unflatten(out))
+    else:
+        # threshold selection is numpy work (copy, introselect) that releases the GIL: a task per core
+        with ThreadPoolExecutor(max_workers=min(torch.get_num_threads(), len(flats))) as pool:
+            cuts = list(pool.map(lambda flat: _cuts(flat, density, scope), flats))
 
     def fill(rows: torch.Tensor, pieces: Sequence[Piece]) -> None:
         for row, flat, cut in zip(rows, flats, cuts):
@@ -99,6 +120,37 @@ def ties(
                 cut[p.key].apply(flat[p.key][p.start : p.stop], p, row[p.chunk_slice])
 
     return TaskVector(layout.unflatten(_elect_and_merge(layout, fill, weights, majority_sign_method)))
+
+
+def _merge_tied_entries(flats: list[dict[str, torch.Tensor]], cuts: list[dict[str, _Cut]], weights: Sequence[float],
+                        method: str, out: dict[str, torch.Tensor]) -> None:
+    """Redo, with the reference chunk merge, the few entries where some task keeps values tied at its
+    threshold (the kernel trimmed at |x| > v, dropping every tied value): the entries are elementwise
+    independent, so merging just those columns gives them exactly as the torch path does."""
+    for key in out:
+        tied = [cut[key].ties for cut in cuts if cut[key].ties is not None]
+        if not tied:
+            continue
+        positions = torch.cat(tied).unique()
+        rows = torch.stack([flat[key][positions] for flat in flats]).to(out[key].dtype)
+        for row, cut in zip(rows, cuts):
+            c = cut[key]
+            if c.lambd is not None:
+                keep = torch.isin(positions, c.ties) if c.ties is not None else torch.zeros_like(positions, dtype=torch.bool)
+                row.copy_(torch.where(keep, row, torch.hardshrink(row, c.lambd)))
+        out[key][positions] = _merge_chunk(rows, torch.empty_like(rows), weights, method)
+
+
+BACKENDS = ("auto", "numba", "torch")
+
+
+def _use_kernels(backend: str, layout: Layout) -> bool:
+    """Whether a merge runs the fused kernels: "numba" demands them, "auto" takes them where they apply."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "numba" and not kernels.supported(layout):
+        raise ValueError(f"the numba backend takes float32 task vectors, got {layout.dtype}")
+    return backend == "numba" or (backend == "auto" and kernels.supported(layout))
 
 
 def trim(tv: TaskVector, density: float, scope: str = "tensor") -> TaskVector:
@@ -219,30 +271,55 @@ class _Cut:
             out[idx] = src[idx]
 
 
-def _cuts(flat: dict[str, torch.Tensor], density: float, scope: str) -> dict[str, _Cut]:
-    """Per key, the trimming of one task vector (given as 1-D tensors) at `density`."""
+def _populations(flat: dict[str, torch.Tensor], density: float, scope: str) -> list[tuple[list[str], int]]:
+    """The groups of keys trimmed together (each key alone, or all of them) and how many entries each keeps."""
+    if scope == "tensor":
+        return [([k], int(density * t.numel())) for k, t in flat.items()]
+    return [(list(flat), int(density * sum(t.numel() for t in flat.values())))]
+
+
+def _select_all(flats: list[dict[str, torch.Tensor]], density: float, scope: str) -> list[list | None]:
+    """Per task, each population's (k-th largest |x|, tied) from one parallel kernel call (None for
+    a population that keeps nothing; None for a task when nothing is trimmed)."""
+    if density >= 1:
+        return [None] * len(flats)
+    groups = [_populations(flat, density, scope) for flat in flats]
+    todo = [(t, i) for t, pops in enumerate(groups) for i, (_, k) in enumerate(pops) if k > 0]
+    found = kernels.kth_largest_abs([[flats[t][key] for key in groups[t][i][0]] for t, i in todo],
+                                    [groups[t][i][1] for t, i in todo])
+    selected = [[None] * len(pops) for pops in groups]
+    for (t, i), result in zip(todo, found):
+        selected[t][i] = result
+    return selected
+
+
+def _cuts(flat: dict[str, torch.Tensor], density: float, scope: str, selected: list | None = None) -> dict[str, _Cut]:
+    """Per key, the trimming of one task vector (given as 1-D tensors) at `density`. `selected`: each
+    population's (k-th largest |x|, tied) when already known (the fused selection)."""
     if density >= 1:
         return {k: _Cut() for k in flat}
-    if scope == "tensor":
-        return {k: _cut([t], int(density * t.numel()))[0] for k, t in flat.items()}
-    return dict(zip(flat, _cut(list(flat.values()), int(density * sum(t.numel() for t in flat.values())))))
+    out = {}
+    for i, (keys, k) in enumerate(_populations(flat, density, scope)):
+        tensors = [flat[key] for key in keys]
+        found = selected[i] if selected is not None else (_kth_largest_abs(tensors, k) if k else None)
+        out.update(zip(keys, _cut(tensors, k, found)))
+    return out
 
 
-def _cut(tensors: list[torch.Tensor], k: int) -> list[_Cut]:
+def _cut(tensors: list[torch.Tensor], k: int, found: tuple[float, bool] | None) -> list[_Cut]:
     """Cuts keeping the k largest |entries| of the concatenated tensors, the ones `magnitude_prune`
-    keeps: torch.topk's choice where entries tie at the threshold value."""
+    keeps (entries tied at the threshold value in order). `found`: the k-th largest |entry| and
+    whether more than k entries reach it."""
     if k == 0:
         return [_Cut(math.inf)] * len(tensors)
-    v, tied = _kth_largest_abs(tensors, k)
+    v, tied = found
     if v == 0:  # fewer than k non-zero entries: keep all of them (kept zeros would never vote)
         return [_Cut(0.0)] * len(tensors)
     if not tied:  # exactly k entries have |x| >= v: keep those, i.e. |x| > the next float below v
         return [_Cut(_below(v, t.dtype)) for t in tensors]
-    # more than k entries have |x| >= v, so only some of those equal to v are kept: ask topk which
-    # (one full top-k of this population; rare for real-valued vectors of modest size)
+    # more than k entries have |x| >= v, so only the first of those equal to v are kept
     flat = torch.cat(tensors).abs()
-    idx = torch.topk(flat, k, sorted=False).indices  # the same set as sorted
-    tied_kept = idx[flat[idx] == v].sort().values
+    tied_kept = (flat == v).nonzero().squeeze(1)[: k - int((flat > v).sum())]
     cuts, offset = [], 0
     for t in tensors:
         mine = tied_kept[(tied_kept >= offset) & (tied_kept < offset + t.numel())] - offset

@@ -25,7 +25,8 @@ import torch
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
-from hf_fedtask.merge.ties import check_compatible
+from hf_fedtask.merge import kernels
+from hf_fedtask.merge.ties import _use_kernels, check_compatible
 
 RESCALERS = ("global_sum", "per_tensor_mean")
 
@@ -53,13 +54,21 @@ class Unified:
 
 
 @torch.no_grad()
-def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum") -> Unified:
-    """Unify T task vectors (CPU tensors) into τ, T bit-packed masks and T rescalers."""
+def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: str = "auto") -> Unified:
+    """Unify T task vectors (CPU tensors) into τ, T bit-packed masks and T rescalers. `backend`:
+    "numba" (one fused pass, `kernels`; float32), "torch" (the reference) or "auto" (numba where it
+    applies): the same τ and masks bit for bit, rescalers within a few float32 ulps (their sums are
+    accumulated in another order)."""
     if rescaler not in RESCALERS:
         raise ValueError(f"rescaler must be one of {RESCALERS}, got {rescaler!r}")
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
+    if _use_kernels(backend, layout):
+        unified = layout.empty_flat()
+        masks = [torch.zeros(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
+        sums = torch.from_numpy(kernels.unify_pass(kernels.Plan(layout, flats), unified, masks))
+        return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     n_tasks, keys = len(vectors), list(layout.numels)
     key_index = {k: j for j, k in enumerate(keys)}
     unified = layout.empty_flat()
@@ -91,11 +100,15 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum") -> Unifie
             j = key_index[p.key]
             sums[0, :, j] += x[:, p.chunk_slice].sum(1, dtype=sum_dtype).double()
             sums[1, :, j] += q[:, p.chunk_slice].sum(1, dtype=sum_dtype).double()
+    return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
+
+
+def _rescalers(sums: torch.Tensor, layout: Layout, rescaler: str) -> list[float]:
+    """λ_t from the per-key sums [2, T, keys] (Σ|τ_t| and Σ|m_t ⊙ τ|)."""
     if rescaler == "per_tensor_mean":  # each key's mean weighs the same (an empty key adds nothing)
-        sums /= torch.tensor([max(layout.numels[k], 1) for k in keys], dtype=torch.float64)
+        sums = sums / torch.tensor([max(n, 1) for n in layout.numels.values()], dtype=torch.float64)
     num, den = sums.sum(2)
-    rescalers = [float(a / b) if b > 0 else 0.0 for a, b in zip(num.tolist(), den.tolist())]
-    return Unified(TaskVector(layout.unflatten(unified)), masks, rescalers)
+    return [float(a / b) if b > 0 else 0.0 for a, b in zip(num.tolist(), den.tolist())]
 
 
 def _positive(q: torch.Tensor, out: torch.Tensor) -> None:

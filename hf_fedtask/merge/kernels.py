@@ -1,0 +1,330 @@
+"""Fused merge kernels: TIES, unify and the top-k magnitude threshold in one compiled pass each.
+
+The torch path of `ties` and `unify` (`streaming`) reads every input float from memory once, but
+then runs a dozen elementwise torch ops over each cache-sized chunk, and each op costs about as much
+as the read itself. These kernels do all of an entry's work at once, over all N tasks, while the
+N values are in the CPU cache, and split the flat index space over threads. They are compiled with
+numba (no C of our own), read the task tensors in place through their data pointers (no gather
+copy), and perform the same float32 operations in the same order as the torch path, so `ties`'
+merged vector and `unify`'s vector and masks are bit for bit the torch path's; only unify's
+rescaler sums are accumulated differently (float64 per block instead of float32 per chunk), which
+moves a rescaler by at most a few float32 ulps. The torch path stays as the reference (tests compare
+both on random inputs of odd sizes) and is used for dtypes other than float32.
+
+The threshold selection (`kth_largest_abs`) needs no sort: one pass histograms the high 12 bits of
+|x| (monotone in |x| for floats), a second collects the one bin holding the k-th largest, and two
+more histogram levels over that bin give the exact value. Populations (one per task, or per task
+and tensor) run in parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+import torch
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from hf_fedtask.merge.streaming import Layout
+
+BLOCK = 1 << 14  # entries of the flat space per parallel work item (a multiple of 8: whole mask bytes)
+SUB = 1 << 11  # entries of one pass over all N tasks: N·SUB floats stay in L2 between the passes
+_BINS1 = 1 << 12  # first and second histogram levels: 12 bits of |x| each (then 7)
+_ABS = np.uint32(0x7FFFFFFF)
+
+
+@intrinsic
+def _void_ptr(typingctx, address):
+    """An integer address as a void* that numba.carray can view (the tensors' data_ptr)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.intp), codegen
+
+
+def supported(layout: Layout) -> bool:
+    """Whether the kernels handle these vectors (float32 throughout; the torch path does the rest)."""
+    return layout.dtype == torch.float32 and all(d == torch.float32 for d in layout.dtypes.values())
+
+
+@contextmanager
+def torch_threads():
+    """Run kernels on as many threads as torch may use (the benchmarks' --threads, a recipe's cores).
+    Numba's OpenMP layer shares libgomp with torch, and starting its pool resets the process's
+    OpenMP thread count, so torch's is put back afterwards."""
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+class Plan:
+    """The flat space of a Layout cut into BLOCK-entry blocks of (key, start, stop) pieces, and each
+    task's data pointer per key, as arrays a kernel takes. Holds the tensors it points into."""
+
+    def __init__(self, layout: Layout, flats: Sequence[Mapping[str, torch.Tensor]]):
+        self.keys = list(layout.numels)
+        index = {k: j for j, k in enumerate(self.keys)}
+        self.tensors = [[f[k].contiguous() for k in self.keys] for f in flats]  # keeps the pointers valid
+        self.ptrs = np.array([[t.data_ptr() for t in row] for row in self.tensors], dtype=np.int64).reshape(
+            len(flats), len(self.keys))
+        key, start, stop, flat, block = [], [], [], [], [0]
+        for first, pieces in layout.chunks(BLOCK):
+            for p in pieces:
+                key.append(index[p.key])
+                start.append(p.start)
+                stop.append(p.stop)
+                flat.append(first + p.offset)
+            block.append(len(key))
+        self.piece_key, self.piece_start, self.piece_stop, self.piece_flat, self.block = (
+            np.array(a, dtype=np.int64) for a in (key, start, stop, flat, block))
+
+    @staticmethod
+    def pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+        return np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+
+
+# -- TIES: trim, elect, disjoint mean -------------------------------------------------------------
+
+
+@numba.njit(inline="always")
+def _trimmed(x, cut):
+    """torch.hardshrink(x, cut): 0 where -cut <= x <= cut, else x (branch-free, so loops vectorize)."""
+    return np.float32(0.0) if (x >= -cut) & (x <= cut) else x
+
+
+@numba.njit(inline="always")
+def _sign(x):
+    return np.float32(1.0) if x > 0 else (np.float32(-1.0) if x < 0 else np.float32(0.0))
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _ties_kernel(ptrs, lambd, weights, frequency, out_ptrs, piece_key, piece_start, piece_stop, block):
+    n_tasks = ptrs.shape[0]
+    for b in prange(block.size - 1):
+        vote = np.empty(SUB, np.float32)
+        count = np.empty(SUB, np.float32)
+        total = np.empty(SUB, np.float32)
+        for p in range(block[b], block[b + 1]):
+            k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
+            out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
+            for s in range(s0, s1, SUB):
+                m = min(SUB, s1 - s)
+                # the vote: Σ_t trimmed τ_t (or Σ_t of its signs), in task order
+                a, cut = numba.carray(_void_ptr(ptrs[0, k]), (s + m,), np.float32)[s:], lambd[0, k]
+                if frequency:
+                    for j in range(m):
+                        vote[j] = _sign(_trimmed(a[j], cut))
+                else:
+                    for j in range(m):
+                        vote[j] = _trimmed(a[j], cut)
+                for t in range(1, n_tasks):
+                    a, cut = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:], lambd[t, k]
+                    if frequency:
+                        for j in range(m):
+                            vote[j] += _sign(_trimmed(a[j], cut))
+                    else:
+                        for j in range(m):
+                            vote[j] += _trimmed(a[j], cut)
+                for j in range(m):  # +1 where the vote is >= 0, else -1
+                    vote[j] = np.float32(1.0) if vote[j] >= 0 else np.float32(-1.0)
+                # the agreeing entries' weighted sum and their count, in task order
+                a, cut, w = numba.carray(_void_ptr(ptrs[0, k]), (s + m,), np.float32)[s:], lambd[0, k], weights[0]
+                for j in range(m):
+                    x = _trimmed(a[j], cut)
+                    agree = np.float32(1.0) if x * vote[j] > 0 else np.float32(0.0)
+                    count[j] = agree
+                    total[j] = (x * agree) * w
+                for t in range(1, n_tasks):
+                    a, cut, w = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:], lambd[t, k], weights[t]
+                    for j in range(m):
+                        x = _trimmed(a[j], cut)
+                        agree = np.float32(1.0) if x * vote[j] > 0 else np.float32(0.0)
+                        count[j] += agree
+                        total[j] += (x * agree) * w
+                o = out[s:]
+                for j in range(m):
+                    o[j] = total[j] / max(count[j], np.float32(1.0))
+
+
+def ties_merge(plan: Plan, lambd: np.ndarray, weights: Sequence[float], frequency: bool,
+               out: Mapping[str, torch.Tensor]) -> None:
+    """TIES' trim (|x| > lambd[t, key] survives), election and disjoint mean into `out` (flat float32
+    tensors per key, written in place)."""
+    with torch_threads():
+        _ties_kernel(plan.ptrs, lambd.astype(np.float32), np.asarray(weights, dtype=np.float32), frequency,
+                     Plan.pointers([out[k] for k in plan.keys]), plan.piece_key, plan.piece_start, plan.piece_stop,
+                     plan.block)
+
+
+# -- unify: sign, largest agreeing magnitude, masks, rescaler sums --------------------------------
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _unify_kernel(ptrs, out_ptrs, mask_ptrs, sums, piece_key, piece_start, piece_stop, piece_flat, block):
+    n_tasks = ptrs.shape[0]
+    for b in prange(block.size - 1):
+        sign = np.empty(SUB, np.float32)
+        magnitude = np.empty(SUB, np.float32)
+        flags = np.zeros(SUB + 16, np.uint8)  # flags[lead + j]: entry j agrees; lead aligns bytes to the flat space
+        for p in range(block[b], block[b + 1]):
+            k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
+            out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
+            for s in range(s0, s1, SUB):
+                m = min(SUB, s1 - s)
+                a = numba.carray(_void_ptr(ptrs[0, k]), (s + m,), np.float32)[s:]
+                for j in range(m):  # σ = sgn(Σ_t τ_t), summed in task order; and each Σ|τ_t|
+                    sign[j] = a[j]
+                sums[p, 0, 0] += _sum_abs(a, m)
+                for t in range(1, n_tasks):
+                    a = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:]
+                    for j in range(m):
+                        sign[j] += a[j]
+                    sums[p, 0, t] += _sum_abs(a, m)
+                for j in range(m):
+                    sign[j] = _sign(sign[j])
+                    magnitude[j] = np.float32(0.0)
+                for t in range(n_tasks):  # μ = max(0, max_t τ_t·σ)
+                    a = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:]
+                    for j in range(m):
+                        magnitude[j] = np.maximum(magnitude[j], a[j] * sign[j])
+                o = out[s:]
+                for j in range(m):
+                    o[j] = sign[j] * magnitude[j]
+                flat0 = piece_flat[p] + (s - s0)
+                lead = flat0 % 8
+                n_bytes = (lead + m + 7) // 8
+                agree = flags[lead:]
+                for t in range(n_tasks):  # m_t = 1[τ_t·σ > 0] as packbits bits, and Σ|m_t ⊙ τ|
+                    a = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:]
+                    for j in range(m):
+                        agree[j] = a[j] * sign[j] > 0
+                    sums[p, 1, t] += _sum_where(magnitude, agree, m)
+                    bits = numba.carray(_void_ptr(mask_ptrs[t]), ((flat0 - lead) // 8 + n_bytes,), np.uint8)
+                    _pack_bits(bits[(flat0 - lead) // 8:], flags, n_bytes)
+                flags[:] = 0
+
+
+@numba.njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _sum_abs(a, m):
+    """Σ_j |a[j]| in float64 (the order is the compiler's: vectorized partial sums)."""
+    total = 0.0
+    for j in range(m):
+        total += abs(a[j])
+    return total
+
+
+@numba.njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _sum_where(values, keep, m):
+    """Σ_j values[j]·keep[j] (keep 0 or 1, values finite) in float64, vectorized."""
+    total = 0.0
+    for j in range(m):
+        total += values[j] * keep[j]
+    return total
+
+
+@numba.njit(inline="always")
+def _pack_bits(bits, flags, n_bytes):
+    """OR 0/1 bytes `flags` into packbits bytes (the first flag is bit 7 of bits[0]), 8 flags at a
+    time: a multiply gathers the low bit of each of 8 little-endian bytes into the top byte."""
+    words = flags[: n_bytes * 8].view(np.uint64)
+    for i in range(n_bytes):
+        bits[i] |= np.uint8((words[i] * np.uint64(0x8040201008040201)) >> np.uint64(56))
+
+
+def unify_pass(plan: Plan, out: Mapping[str, torch.Tensor], masks: Sequence[torch.Tensor]) -> np.ndarray:
+    """One fused pass of unify: writes τ into `out` (flat float32 per key) and the bits of each
+    task's mask into `masks` (zeroed uint8, packbits layout); returns the rescaler sums per key,
+    float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
+    n_tasks = plan.ptrs.shape[0]
+    per_piece = np.zeros((plan.piece_key.size, 2, n_tasks), dtype=np.float64)
+    with torch_threads():
+        _unify_kernel(plan.ptrs, Plan.pointers([out[k] for k in plan.keys]), Plan.pointers(masks), per_piece,
+                      plan.piece_key, plan.piece_start, plan.piece_stop, plan.piece_flat, plan.block)
+    sums = np.zeros((len(plan.keys), 2, n_tasks), dtype=np.float64)
+    np.add.at(sums, plan.piece_key, per_piece)
+    return sums.transpose(1, 2, 0)
+
+
+# -- the k-th largest |entry| without a sort --------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def _radix_select(ptrs, lens, first, last, k):
+    """The k-th largest |x| of the population (its float bits, and how many entries exceed it, and
+    how many equal it), by three histogram levels on the bits of |x| (monotone in |x| for floats):
+    12 high bits over the whole population (4 interleaved histograms, so repeated bins do not
+    serialize), then the one bin's entries are collected and resolved on 12 and 7 more bits."""
+    hist = np.zeros((4, _BINS1), np.int64)
+    for i in range(first, last):
+        bits = numba.carray(_void_ptr(ptrs[i]), (lens[i],), np.uint32)
+        n = lens[i]
+        stop = n - n % 4
+        for j in range(0, stop, 4):
+            hist[0, (bits[j] & _ABS) >> 19] += 1
+            hist[1, (bits[j + 1] & _ABS) >> 19] += 1
+            hist[2, (bits[j + 2] & _ABS) >> 19] += 1
+            hist[3, (bits[j + 3] & _ABS) >> 19] += 1
+        for j in range(stop, n):
+            hist[0, (bits[j] & _ABS) >> 19] += 1
+    level1 = hist.sum(axis=0)
+    b1, above = _bin_from_top(level1, k)
+    count = level1[b1]
+    buf = np.empty(count + 1, np.uint32)  # + 1: the branch-free collection writes one slot past the last
+    pos = 0
+    for i in range(first, last):
+        bits = numba.carray(_void_ptr(ptrs[i]), (lens[i],), np.uint32)
+        for j in range(lens[i]):
+            x = bits[j] & _ABS
+            buf[pos] = x
+            pos += (x >> 19) == b1  # branch-free: the slot is overwritten unless the entry is in bin b1
+    level2 = np.zeros(_BINS1, np.int64)
+    for j in range(count):
+        level2[(buf[j] >> 7) & 0xFFF] += 1
+    b2, above2 = _bin_from_top(level2, k - above)
+    level3 = np.zeros(128, np.int64)
+    for j in range(count):
+        if (buf[j] >> 7) & 0xFFF == b2:
+            level3[buf[j] & 0x7F] += 1
+    b3, above3 = _bin_from_top(level3, k - above - above2)
+    value = (np.uint32(b1) << 19) | (np.uint32(b2) << 7) | np.uint32(b3)
+    return value, above + above2 + above3, level3[b3]
+
+
+@numba.njit(inline="always")
+def _bin_from_top(hist, k):
+    """The bin holding the k-th largest entry of a histogram, and the count in the bins above it."""
+    above, b = 0, hist.size - 1
+    while above + hist[b] < k:
+        above += hist[b]
+        b -= 1
+    return b, above
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _select_kernel(ptrs, lens, population, ks, values, greater, equal):
+    for p in prange(population.size - 1):
+        values[p], greater[p], equal[p] = _radix_select(ptrs, lens, population[p], population[p + 1], ks[p])
+
+
+def kth_largest_abs(populations: Sequence[Sequence[torch.Tensor]], ks: Sequence[int]) -> list[tuple[float, bool]]:
+    """For each population (1-D float32 tensors, concatenated) and its k (1 ≤ k ≤ n): the k-th largest
+    |entry| v and whether more than k entries have |x| ≥ v — what `ties._kth_largest_abs` returns,
+    for all populations at once, in parallel."""
+    tensors = [t.contiguous() for pop in populations for t in pop]
+    ptrs = Plan.pointers(tensors)
+    lens = np.array([t.numel() for t in tensors], dtype=np.int64)
+    population = np.cumsum([0] + [len(pop) for pop in populations]).astype(np.int64)
+    values = np.empty(len(populations), dtype=np.uint32)
+    greater, equal = (np.empty(len(populations), dtype=np.int64) for _ in range(2))
+    with torch_threads():
+        _select_kernel(ptrs, lens, population, np.asarray(ks, dtype=np.int64), values, greater, equal)
+    return [(float(v), bool(g + e > k)) for v, g, e, k in zip(values.view(np.float32), greater, equal, ks)]

@@ -1,0 +1,118 @@
+"""The fused numba kernels against the torch reference path, on fresh random inputs of odd sizes:
+`ties` bit for bit (ties at the threshold included), `unify`'s vector and masks bit for bit
+(a zero may differ in sign), its rescalers to float rounding; the threshold selection against numpy."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.merge import kernels, ties, unify
+from hf_fedtask.merge.ties import magnitude_prune
+
+SIZES = {"w": (13, 29), "b": (1,), "x": (1031,), "big": (70_001,), "t": (9, 7), "lone": (3,)}
+
+
+def _vectors(n: int, seed: int, quantized: bool = False) -> list[TaskVector]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tv = {k: torch.randn(s, generator=g) for k, s in SIZES.items()}
+        tv["t"] = tv["t"].T  # non-contiguous
+        if quantized:  # quarters: many entries tie at every threshold, many are zero
+            tv = {k: torch.round(v * 4) / 4 for k, v in tv.items()}
+        out.append(TaskVector(tv))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("scope", ["tensor", "model"])
+@pytest.mark.parametrize("method", ["total", "frequency"])
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.2, 0.63, 1.0])
+def test_fused_ties_is_the_torch_path_bit_for_bit(quantized, scope, method, density):
+    vectors = _vectors(5, seed=int(density * 100) + 7 * quantized, quantized=quantized)
+    weights = [1.0, 0.5, 2.0, -0.7, 1.3]
+    fused = ties(vectors, weights, density, method, scope, backend="numba")
+    reference = ties(vectors, weights, density, method, scope, backend="torch")
+    for key in vectors[0]:
+        assert fused[key].shape == vectors[0][key].shape
+        assert torch.equal(_bits(fused[key]), _bits(reference[key])), key
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("rescaler", ["global_sum", "per_tensor_mean"])
+def test_fused_unify_is_the_torch_path(quantized, rescaler):
+    vectors = _vectors(6, seed=3, quantized=quantized)
+    vectors.append(TaskVector({k: -v for k, v in vectors[0].items()}))  # sums of exactly zero: sign 0
+    fused, reference = unify(vectors, rescaler, backend="numba"), unify(vectors, rescaler, backend="torch")
+    for key in vectors[0]:
+        a, b = fused.vector[key], reference.vector[key]
+        assert torch.equal(a, b), key  # as values; a zero may be -0.0 in the torch path
+        nonzero = b != 0
+        assert torch.equal(_bits(a)[nonzero], _bits(b)[nonzero]), key
+    assert all(torch.equal(m, r) for m, r in zip(fused.masks, reference.masks))
+    np.testing.assert_allclose(fused.rescalers, reference.rescalers, rtol=1e-6)
+
+
+def test_kernels_on_a_lora_layout_of_many_small_tensors():
+    g = torch.Generator().manual_seed(5)
+    shapes = {f"layers.{i}.{m}.lora_{ab}.weight": (8, 48) if ab == "A" else (48 + 16 * (m == "up"), 8)
+              for i in range(6) for m in ("q", "v", "up") for ab in "AB"}
+    vectors = [TaskVector({k: torch.randn(s, generator=g) for k, s in shapes.items()}) for _ in range(9)]
+    weights = [0.5 + t / 9 for t in range(9)]
+    for scope in ("tensor", "model"):
+        fused, reference = ties(vectors, weights, 0.3, scope=scope, backend="numba"), \
+            ties(vectors, weights, 0.3, scope=scope, backend="torch")
+        assert all(torch.equal(_bits(fused[k]), _bits(reference[k])) for k in shapes)
+    fused, reference = unify(vectors, backend="numba"), unify(vectors, backend="torch")
+    assert all(torch.equal(m, r) for m, r in zip(fused.masks, reference.masks))
+    assert all(torch.equal(fused.vector[k], reference.vector[k]) for k in shapes)
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 4097, 300_001])
+def test_kth_largest_abs_is_numpy_partition(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    x[: n // 3] = torch.round(x[: n // 3] * 8) / 8  # ties
+    pieces = list(torch.split(x, max(1, n // 3)))
+    for k in sorted({1, max(1, n // 5), max(1, n // 2), n}):
+        (value, tied), = kernels.kth_largest_abs([pieces], [k])
+        magnitude = np.sort(np.abs(x.numpy()))[::-1]
+        assert value == magnitude[k - 1]
+        assert tied == bool(np.count_nonzero(magnitude >= magnitude[k - 1]) > k)
+
+
+def test_ties_at_the_threshold_are_kept_in_index_order():
+    x = torch.tensor([0.5, -2.0, 1.0, -1.0, 1.0, 0.1, -1.0])
+    assert magnitude_prune(x, 3 / 7).tolist() == [0.0, -2.0, 1.0, -1.0, 0.0, 0.0, 0.0]
+    merged = ties([TaskVector({"x": x})], [1.0], 3 / 7)
+    assert merged["x"].tolist() == [0.0, -2.0, 1.0, -1.0, 0.0, 0.0, 0.0]
+
+
+def test_kernels_leave_torchs_thread_count_alone():
+    """Numba's OpenMP pool starts on the first kernel call and resets the process's OpenMP threads:
+    in a fresh process (where that first call happens) torch keeps the count it was given."""
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from hf_fedtask.merge import ties, unify; from hf_fedtask.core.taskvector import TaskVector\n"
+            "vs = [TaskVector({'a': torch.randn(999)}) for _ in range(3)]\n"
+            "ties(vs, [1.0] * 3, 0.2, backend='numba'); unify(vs, backend='numba'); print(torch.get_num_threads())")
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "1", out.stderr[-2000:]
+
+
+def test_numba_backend_refuses_what_it_cannot_do():
+    half = [TaskVector({"a": torch.randn(5).half()}) for _ in range(2)]
+    with pytest.raises(ValueError, match="numba backend takes float32"):
+        ties(half, [1.0, 1.0], 0.5, backend="numba")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        unify(half, backend="cuda")
+    assert ties(half, [1.0, 1.0], 0.5)["a"].dtype == torch.float16  # auto: the torch path
