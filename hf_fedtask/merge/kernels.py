@@ -52,6 +52,19 @@ def supported(layout: Layout) -> bool:
     return layout.dtype == torch.float32 and all(d == torch.float32 for d in layout.dtypes.values())
 
 
+BACKENDS = ("auto", "numba", "torch")
+
+
+def use_kernels(backend: str, layout: Layout) -> bool:
+    """Whether a merge runs these kernels: "numba" demands them, "auto" takes them where they apply,
+    "torch" runs the reference path."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "numba" and not supported(layout):
+        raise ValueError(f"the numba backend takes float32 task vectors, got {layout.dtype}")
+    return backend == "numba" or (backend == "auto" and supported(layout))
+
+
 @contextmanager
 def torch_threads():
     """Run kernels on as many threads as torch may use (the benchmarks' --threads, a recipe's cores).

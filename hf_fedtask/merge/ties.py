@@ -100,7 +100,7 @@ def ties(
         raise ValueError(f"density must be >= 0, got {density}")
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
-    if _use_kernels(backend, layout):
+    if kernels.use_kernels(backend, layout):
         cuts = [_cuts(flat, density, scope, selected) for flat, selected in
                 zip(flats, _select_all(flats, density, scope))]
         lambd = np.array([[-math.inf if cut[k].lambd is None else cut[k].lambd for k in layout.numels]
@@ -139,18 +139,6 @@ def _merge_tied_entries(flats: list[dict[str, torch.Tensor]], cuts: list[dict[st
                 keep = torch.isin(positions, c.ties) if c.ties is not None else torch.zeros_like(positions, dtype=torch.bool)
                 row.copy_(torch.where(keep, row, torch.hardshrink(row, c.lambd)))
         out[key][positions] = _merge_chunk(rows, torch.empty_like(rows), weights, method)
-
-
-BACKENDS = ("auto", "numba", "torch")
-
-
-def _use_kernels(backend: str, layout: Layout) -> bool:
-    """Whether a merge runs the fused kernels: "numba" demands them, "auto" takes them where they apply."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "numba" and not kernels.supported(layout):
-        raise ValueError(f"the numba backend takes float32 task vectors, got {layout.dtype}")
-    return backend == "numba" or (backend == "auto" and kernels.supported(layout))
 
 
 def trim(tv: TaskVector, density: float, scope: str = "tensor") -> TaskVector:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.merge import kernels
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
-from hf_fedtask.merge import kernels
-from hf_fedtask.merge.ties import _use_kernels, check_compatible
+from hf_fedtask.merge.ties import check_compatible
 
 RESCALERS = ("global_sum", "per_tensor_mean")
 
@@ -64,7 +64,7 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
-    if _use_kernels(backend, layout):
+    if kernels.use_kernels(backend, layout):
         unified = layout.empty_flat()
         masks = [torch.zeros(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
         sums = torch.from_numpy(kernels.unify_pass(kernels.Plan(layout, flats), unified, masks))
