@@ -84,10 +84,15 @@ def test_kth_largest_abs_is_numpy_partition(n):
     x[: n // 3] = torch.round(x[: n // 3] * 8) / 8  # ties
     pieces = list(torch.split(x, max(1, n // 3)))
     for k in sorted({1, max(1, n // 5), max(1, n // 2), n}):
-        (value, tied), = kernels.kth_largest_abs([pieces], [k])
+        (value, tied, kept), = kernels.kth_largest_abs([pieces], [k])
         magnitude = np.sort(np.abs(x.numpy()))[::-1]
         assert value == magnitude[k - 1]
         assert tied == bool(np.count_nonzero(magnitude >= magnitude[k - 1]) > k)
+        if tied:  # the first tied entries, as many as the top k still needs
+            at = np.flatnonzero(np.abs(x.numpy()) == value)
+            assert kept.tolist() == at[: k - np.count_nonzero(np.abs(x.numpy()) > value)].tolist()
+        else:
+            assert kept is None
 
 
 def test_ties_at_the_threshold_are_kept_in_index_order():
@@ -116,3 +121,22 @@ def test_numba_backend_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="backend must be one of"):
         unify(half, backend="cuda")
     assert ties(half, [1.0, 1.0], 0.5)["a"].dtype == torch.float16  # auto: the torch path
+
+
+
+@pytest.mark.parametrize("n", [3, 1000, 200_003])
+def test_radix_selection_agrees_with_numpy(n):
+    """The radix selection called directly on a population split over several tensors, with zeros and ties."""
+    g = torch.Generator().manual_seed(n + 1)
+    x = torch.randn(n, generator=g)
+    x[::7] = 0.0
+    x[1::5] = torch.round(x[1::5] * 16) / 16
+    pieces = [p.contiguous() for p in torch.split(x, max(1, n // 4))]
+    ptrs = kernels.Plan.pointers(pieces)
+    lens = np.array([p.numel() for p in pieces], dtype=np.int64)
+    magnitude = np.abs(x.numpy())
+    for k in sorted({1, max(1, n // 10), max(1, n // 2), n}):
+        v = np.sort(magnitude)[::-1][k - 1]
+        bits, greater, equal = kernels._radix_select(ptrs, lens, 0, len(pieces), k)
+        assert np.array([bits], dtype=np.uint32).view(np.float32)[0] == v
+        assert (greater, equal) == (np.count_nonzero(magnitude > v), np.count_nonzero(magnitude == v))

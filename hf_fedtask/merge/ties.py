@@ -294,20 +294,23 @@ def _cuts(flat: dict[str, torch.Tensor], density: float, scope: str, selected: l
     return out
 
 
-def _cut(tensors: list[torch.Tensor], k: int, found: tuple[float, bool] | None) -> list[_Cut]:
+def _cut(tensors: list[torch.Tensor], k: int, found: tuple | None) -> list[_Cut]:
     """Cuts keeping the k largest |entries| of the concatenated tensors, the ones `magnitude_prune`
-    keeps (entries tied at the threshold value in order). `found`: the k-th largest |entry| and
-    whether more than k entries reach it."""
+    keeps (entries tied at the threshold value in order). `found`: the k-th largest |entry|, whether
+    more than k entries reach it, and (from the kernels) which of the tied entries are kept."""
     if k == 0:
         return [_Cut(math.inf)] * len(tensors)
-    v, tied = found
+    v, tied = found[:2]
     if v == 0:  # fewer than k non-zero entries: keep all of them (kept zeros would never vote)
         return [_Cut(0.0)] * len(tensors)
     if not tied:  # exactly k entries have |x| >= v: keep those, i.e. |x| > the next float below v
         return [_Cut(_below(v, t.dtype)) for t in tensors]
     # more than k entries have |x| >= v, so only the first of those equal to v are kept
-    flat = torch.cat(tensors).abs()
-    tied_kept = (flat == v).nonzero().squeeze(1)[: k - int((flat > v).sum())]
+    if len(found) > 2:
+        tied_kept = found[2]
+    else:
+        flat = torch.cat(tensors).abs()
+        tied_kept = (flat == v).nonzero().squeeze(1)[: k - int((flat > v).sum())]
     cuts, offset = [], 0
     for t in tensors:
         mine = tied_kept[(tied_kept >= offset) & (tied_kept < offset + t.numel())] - offset
