@@ -152,11 +152,11 @@ def install_probes(loaded: float | None = None) -> None:
 
     original_round = Server.round
 
-    def round_(self, state, r, transport):
+    def round_(self, state, r, transport, evaluate=True):
         _probe["run"] = self.config.output_dir
         t0, c0 = time.time(), time.process_time()
         try:
-            return original_round(self, state, r, transport)
+            return original_round(self, state, r, transport, evaluate)
         finally:
             _emit(self.config.output_dir, ev="round", round=r, t0=t0, t1=time.time(), cpu=time.process_time() - c0)
 
