@@ -6,8 +6,8 @@ as the read itself. These kernels do all of an entry's work at once, over all N 
 N values are in the CPU cache, and split the flat index space over threads. They are compiled with
 numba (no C of our own), read the task tensors in place through their data pointers (no gather
 copy), and perform the same float32 operations in the same order as the torch path, so `ties`'
-merged vector and `unify`'s vector and masks are bit for bit the torch path's; only unify's
-rescaler sums are accumulated differently (float64 per block instead of float32 per chunk), which
+merged vector and `unify`'s vector and masks are bit for bit the torch path's (except that where
+unify's elected sign is 0 the torch path may write -0.0 and the kernel +0.0); only unify's rescaler sums are accumulated differently (float64 per block instead of float32 per chunk), which
 moves a rescaler by at most a few float32 ulps. The torch path stays as the reference (tests compare
 both on random inputs of odd sizes) and is used for dtypes other than float32.
 
