@@ -33,7 +33,7 @@ DEFAULTS = {
     "num_clients": 30,
     "zeta": 0.2,
     "participation": 0.2,
-    "rounds": 24,  # fits 10 minutes on 2 cores (8 min 28 s measured, accelerate launch included)
+    "rounds": 24,  # fits 10 minutes on 2 cores (7 min 31 s measured, accelerate launch included)
     "eval_every": 4,  # evaluation is ~40% of a round here: 6 evaluations instead of 24 pay for 7 more rounds
     "local_epochs": 1.0,
     "output_dir": "runs/matu30",
