@@ -1,5 +1,7 @@
 """The linearization identities of `hf_fedtask.model.linearize` on a tiny random BERT with LoRA (B ≠ 0)."""
 
+import contextlib
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -7,6 +9,7 @@ from torch.func import functional_call, jacrev
 
 from hf_fedtask.model.backbone import load_classifier, resolve_base_model
 from hf_fedtask.model.linearize import LinearizationError, LinearizedModel, linearized
+from hf_fedtask.model.tangent_rules import TANGENT_ATTENTION
 
 
 @pytest.fixture
@@ -98,12 +101,13 @@ def test_dropout_follows_train_and_eval(lora_model, batch):
     assert torch.allclose(ours, lora_model.train()(**x).logits, atol=1e-12)
 
 
-def test_switches_to_eager_attention_and_restores(tiny_bert_dir, batch):
+def test_switches_to_tangent_attention_and_restores(tiny_bert_dir, batch):
     base = load_classifier(resolve_base_model(tiny_bert_dir, "tests/tiny-bert"), 3, attn_implementation="sdpa")
     model = get_peft_model(base, LoraConfig(r=4, task_type="SEQ_CLS", init_lora_weights=False))
     with linearized(model) as lin:
-        assert model.config._attn_implementation == "eager"
-        assert any("forward" in vars(m) for m in model.modules())  # frozen linears take the one-matmul rule
+        assert model.config._attn_implementation == TANGENT_ATTENTION
+        patched = {type(m) for m in model.modules() if "forward" in vars(m)}  # frozen layers take fused rules
+        assert {torch.nn.Linear, torch.nn.LayerNorm} <= patched
         lin.train()
         lin(**batch).loss.backward()  # forward-mode AD through attention works
     assert model.config._attn_implementation == "sdpa"
@@ -185,3 +189,73 @@ def test_clear_errors(lora_model, batch):
         LinearizedModel(lora_model, mode="taylor2")
     with pytest.raises(LinearizationError, match="no LoRA layer"):
         LinearizedModel(torch.nn.Linear(2, 2), mode="lora_layers")
+
+
+@pytest.fixture
+def padded_batch():
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(1000, 3000, (4, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[3, 3:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([2, 0, 1, 1])}
+
+
+def test_fused_rules_equal_the_generic_formulas(tiny_bert_dir, padded_batch):
+    """The fused tangent rules (frozen linear, layer norm, dropout, LoRA, attention) against torch's
+    generic forward-mode formulas: same linearized logits and gradients away from θ_lin, in train mode
+    (dropout draws the same masks) and with padding (the attention mask reaches the fused attention)."""
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        base = load_classifier(resolve_base_model(tiny_bert_dir, "tests/tiny-bert"), 3, attn_implementation="sdpa")
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, task_type="SEQ_CLS", init_lora_weights=False,
+                                                lora_dropout=0.1)).double()
+        with torch.no_grad():  # layer norms away from their (1, 0) initialization
+            for m in model.modules():
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.normal_(0, 0.1)
+        with linearized(model) if fused else contextlib.nullcontext(LinearizedModel(model, fused_rules=False)) as lin:
+            assert (model.config._attn_implementation == TANGENT_ATTENTION) is fused
+            assert any("forward" in vars(m) for m in model.modules()) is fused
+            shift(model, random_direction(model, scale=0.05))
+            lin.train()
+            torch.manual_seed(7)
+            out = lin(**padded_batch)
+            grads = torch.autograd.grad(out.loss, list(trainable(model).values()))
+            results.append((out.logits.detach(), grads))
+    (logits, grads), (ref_logits, ref_grads) = results
+    assert (logits - ref_logits).abs().max() < 1e-10
+    assert (logits - ref_logits).abs().max() < 1e-6 * ref_logits.abs().max()
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g, r, atol=1e-10)
+    assert all(r.abs().max() > 0 for r in ref_grads)
+
+
+def test_fused_attention_honours_padding(tiny_bert_dir, padded_batch):
+    torch.manual_seed(0)
+    base = load_classifier(resolve_base_model(tiny_bert_dir, "tests/tiny-bert"), 3, attn_implementation="sdpa")
+    model = get_peft_model(base, LoraConfig(r=4, task_type="SEQ_CLS", init_lora_weights=False)).double().eval()
+    x = inputs_of(padded_batch)
+    expected = model(**x).logits.detach()
+    with linearized(model) as lin:
+        got = lin.eval()(**x).logits.detach()
+        masked = x["input_ids"].clone()
+        masked[1, 6:] = 2999  # tokens under the mask must not change any output
+        masked[3, 3:] = 1001
+        moved = lin(**{**x, "input_ids": masked}).logits.detach()
+    assert torch.allclose(got, expected, atol=1e-12)
+    assert torch.allclose(moved, expected, atol=1e-12)
+
+
+def test_lora_rule_steps_aside_for_disabled_adapters(lora_model, batch):
+    """While wrapped, peft's own switches still work: with the adapter disabled the model is the base."""
+    model = lora_model.eval()
+    x = inputs_of(batch)
+    with model.disable_adapter():
+        base_logits = model(**x).logits.detach()
+    with linearized(model):
+        with model.disable_adapter():
+            assert torch.allclose(model(**x).logits, base_logits, atol=1e-12)
+        assert not torch.allclose(model(**x).logits, base_logits, atol=1e-6)

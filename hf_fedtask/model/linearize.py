@@ -4,8 +4,10 @@ NTKFedAvg and tangent task arithmetic, and the per-LoRA-layer linearization of L
     f_lin(x; θ) = f(x; θ_lin) + J_θ f(x; θ_lin) · (θ − θ_lin)
 
 θ are the model's trainable parameters (the PEFT modules and head, or every parameter under full
-fine-tuning); everything else stays frozen at its value. One `torch.func.jvp` over a
-`functional_call` gives both terms in one pass, and gradients flow to θ through the tangent.
+fine-tuning); everything else stays frozen at its value. One forward pass with dual tensors
+(forward-mode AD over a `functional_call`) gives both terms, and gradients flow to θ through the
+tangent. Frozen layers take fused forward-mode rules (`hf_fedtask.model.tangent_rules`), which bring
+a training step to about 1.5× an ordinary one (benchmarks/linearize_bench.py).
 
 Hand-written because no maintained library wraps an arbitrary (PEFT) `transformers` model this way:
 tangent_task_arithmetic and FusionBench carry research-code versions of the same two modes
@@ -19,17 +21,33 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, jvp
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_fedtask.errors import FedTaskError
+from hf_fedtask.model.tangent_rules import (
+    TANGENT_ATTENTION,
+    patch_frozen_modules,
+    register_tangent_attention,
+    unpatch,
+)
 
 MODES = ("network", "lora_layers")
 
-# attention kernels with forward-mode AD on CPU; sdpa's fused CPU kernel has none (environment-facts §5)
-_FORWARD_AD_ATTENTION = "eager"
+
+def _forward_ad_attention(model: nn.Module, fused: bool) -> str:
+    """An attention implementation with forward-mode AD (sdpa's fused CPU kernel has none): the one
+    with a fused tangent rule where asked for and the model takes transformers' attention interface,
+    else eager."""
+    if fused and getattr(model, "_supports_attention_backend", False):
+        register_tangent_attention()
+        return TANGENT_ATTENTION
+    return "eager"
+
 
 
 class LinearizationError(FedTaskError, ValueError):
@@ -41,41 +59,24 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _tangent_forward(module: nn.Module, names: list[str], point: list[torch.Tensor], args, kwargs):
-    """(f(θ_lin), J·(θ − θ_lin)) of `module` called on (args, kwargs), θ = its live parameters."""
+    """(f(θ_lin), J·(θ − θ_lin)) of `module` called on (args, kwargs), θ = its live parameters.
+
+    Forward-mode AD with dual tensors (`torch.autograd.forward_ad`): the same rules as
+    `torch.func.jvp`, without functorch's per-op wrapping, which cost about a tenth of a step."""
     live = dict(module.named_parameters())
-    deltas = tuple(live[n] - p0 for n, p0 in zip(names, point, strict=True))
-
-    def f(*theta):
-        return functional_call(module, dict(zip(names, theta, strict=True)), args, kwargs)
-
-    return jvp(f, tuple(point), deltas)
-
-
-class _FrozenLinear(torch.autograd.Function):
-    """`F.linear` with a frozen weight and bias, whose forward-mode derivative is the one matmul
-    F.linear(x_t, W). The generic `addmm` formula under `torch.func.jvp` also spends a matmul on the
-    weight's (zero) tangent and another in the backward pass: in the linearized network, where every
-    frozen linear carries a tangent, this is about 30% of a training step (benchmarks/linearize_bench.py)."""
-
-    @staticmethod
-    def forward(x, weight, bias):
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.weight = inputs[1]
-
-    @staticmethod
-    def jvp(ctx, x_t, weight_t, bias_t):
-        return F.linear(x_t, ctx.weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad @ ctx.weight, None, None
-
-
-def _frozen_linear_forward(module: nn.Linear):
-    return lambda x: _FrozenLinear.apply(x, module.weight, module.bias)
+    with fwAD.dual_level():
+        duals = {n: fwAD.make_dual(p0, live[n] - p0) for n, p0 in zip(names, point, strict=True)}
+        flat, spec = tree_flatten(functional_call(module, duals, args, kwargs))
+        primal, tangent = [], []
+        for leaf in flat:
+            if isinstance(leaf, torch.Tensor):
+                p, t = fwAD.unpack_dual(leaf)
+                leaf, t = p, (torch.zeros_like(p) if t is None else t)
+            else:
+                t = leaf
+            primal.append(leaf)
+            tangent.append(t)
+    return tree_unflatten(primal, spec), tree_unflatten(tangent, spec)
 
 
 def _attention_of(model: nn.Module) -> str | None:
@@ -94,20 +95,25 @@ class LinearizedModel(nn.Module):
     The wrapper trains under `transformers.Trainer` like the model it wraps: it takes the same
     inputs, returns `loss` (cross-entropy on the linearized logits) and `logits`, and its trainable
     parameters are the wrapped model's. Dropout follows train/eval mode and uses one mask for both
-    terms. It switches the model to eager attention while it lives (`restore()` switches back).
+    terms. While it lives it switches the model to an attention with forward-mode AD and, in
+    network mode with `fused_rules` (default), gives frozen layers fused tangent rules
+    (`hf_fedtask.model.tangent_rules`; `fused_rules=False` keeps torch's generic formulas, the
+    reference they are tested against); `restore()` undoes both.
     """
 
     accepts_loss_kwargs = False  # the loss is computed here, per batch; Trainer must not pass token counts
 
-    def __init__(self, model: nn.Module, point: Mapping[str, torch.Tensor] | None = None, mode: str = "network"):
+    def __init__(self, model: nn.Module, point: Mapping[str, torch.Tensor] | None = None, mode: str = "network",
+                 fused_rules: bool = True):
         super().__init__()
         if mode not in MODES:
             raise LinearizationError(f"unknown linearization mode {mode!r}; choose one of {', '.join(MODES)}")
         self.model = model
         self.mode = mode
+        fused = fused_rules and mode == "network"
         self._attention = _attention_of(model)
-        if self._attention not in (None, _FORWARD_AD_ATTENTION):
-            model.set_attn_implementation(_FORWARD_AD_ATTENTION)
+        if self._attention is not None:
+            model.set_attn_implementation(_forward_ad_attention(model, fused))
         trainable = _trainable(model)
         if not trainable:
             raise LinearizationError(f"{type(model).__name__} has no trainable parameters to linearize in")
@@ -121,8 +127,8 @@ class LinearizedModel(nn.Module):
         self._patched: list[nn.Module] = []
         if mode == "lora_layers":
             self._linearize_lora_layers()
-        else:
-            self._use_frozen_linears()
+        elif fused:
+            self._patched = patch_frozen_modules(model)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, labels: torch.Tensor | None = None, **inputs) -> SequenceClassifierOutput:
@@ -142,7 +148,7 @@ class LinearizedModel(nn.Module):
         except (NotImplementedError, RuntimeError) as e:
             raise LinearizationError(
                 f"{type(self.model).__name__} cannot be linearized: an op has no forward-mode AD "
-                f"({str(e).splitlines()[0]}); use a model/attention implementation that supports torch.func.jvp"
+                f"({str(e).splitlines()[0]}); use a model/attention implementation that supports forward-mode AD"
             ) from e
         return out0.logits + dout.logits
 
@@ -169,17 +175,9 @@ class LinearizedModel(nn.Module):
             layer.forward = _layer_linearizer(layer, names, point)  # instance attribute; restore() deletes it
             self._patched.append(layer)
 
-    def _use_frozen_linears(self) -> None:
-        """Route every `nn.Linear` without trainable parameters through `_FrozenLinear`."""
-        for module in self.model.modules():
-            if type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters()):
-                module.forward = _frozen_linear_forward(module)  # instance attribute; restore() deletes it
-                self._patched.append(module)
-
     def restore(self) -> None:
         """Undo what wrapping changed on the model (patched layers, attention implementation)."""
-        for layer in self._patched:
-            del layer.forward
+        unpatch(self._patched)
         self._patched.clear()
         if self._attention not in (None, _attention_of(self.model)):
             self.model.set_attn_implementation(self._attention)
