@@ -90,6 +90,8 @@ def test_comparison_recipe_writes_both_tables_over_seeds(tiny_bert_dir, tiny_tas
     assert load_recipe("matu_8task").main(flags) == 0
     rows = json.loads((out / "comparison.json").read_text())
     assert set(rows) == {"single_task", "multi_task"}
+    markdown = (out / "comparison.md").read_text()  # the multi-task title names the partition it ran with
+    assert "Multi-task clients (ζ_t = 0.5), `iid` partition inside tasks" in markdown and "Dirichlet" not in markdown
     for setting, table in rows.items():
         assert [r["method"] for r in table] == ["matu", "fedavg"]  # no shipped reference for the tiny model
         runs = {m: [json.loads((out / f"seed{k}" / setting / m / "results.json").read_text()) for k in (0, 1)]
