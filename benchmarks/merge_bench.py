@@ -16,6 +16,9 @@ Methods, each called on the same inputs:
   ties           hf_fedtask.merge.ties: the fused numba kernels (threshold selection without a sort,
                  then trim + elect + disjoint mean in one pass)
   ties_select    the threshold selection alone (where ties' time goes: the rest is the merge pass)
+  ties_model     ties with scope="model": one top-k over each whole task vector (TIES as its paper
+                 states it), so the selection runs on populations of d entries, where the sampled
+                 bracket replaces the radix selection
   ties_torch     hf_fedtask.merge.ties(backend="torch"): the streaming torch reference, checked
                  equal to ties bit for bit before any ratio is printed
   peft_ties      peft.utils.merge_utils.ties once per parameter, as peft's add_weighted_adapter
@@ -34,6 +37,7 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   ties_time/floor_time                          cost over the floor (goal ≤ 4)
   unify_time/floor_time                         cost over the floor (goal ≤ 2)
   ties_select_time/floor_time                   the selection's share of ties, in floors
+  ties_model_time/floor_time                    ties with whole-vector trimming, in floors
   ties_torch_time/ties_time, unify_torch_time/unify_time   the fused kernels over the torch path
   peft_ties_time/ties_time                      speed-up of our ties over peft's ties (goal ≥ 10)
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
@@ -85,6 +89,7 @@ GOALS = {
     "ties_time/floor_time": (4.0, False),
     "unify_time/floor_time": (2.0, False),
     "ties_select_time/floor_time": None,
+    "ties_model_time/floor_time": None,
     "ties_torch_time/ties_time": None,
     "unify_torch_time/unify_time": None,
     "peft_ties_time/ties_time": (10.0, True),
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "floor": lambda: floor(vectors),
         "ties": lambda: ties(vectors, weights, args.density),
         "ties_select": lambda: _select_all(flats, args.density, "tensor"),
+        "ties_model": lambda: ties(vectors, weights, args.density, scope="model"),
         "ties_torch": lambda: ties(vectors, weights, args.density, backend="torch"),
         "peft_ties": lambda: peft_ties(vectors, weights, args.density),
         "unify": lambda: unify(vectors),
@@ -303,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "ties_time/floor_time": time_of["ties"] / time_of["floor"],
         "unify_time/floor_time": time_of["unify"] / time_of["floor"],
         "ties_select_time/floor_time": time_of["ties_select"] / time_of["floor"],
+        "ties_model_time/floor_time": time_of["ties_model"] / time_of["floor"],
         "ties_torch_time/ties_time": time_of["ties_torch"] / time_of["ties"],
         "unify_torch_time/unify_time": time_of["unify_torch"] / time_of["unify"],
         "peft_ties_time/ties_time": time_of["peft_ties"] / time_of["ties"],

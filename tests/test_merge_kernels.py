@@ -140,3 +140,39 @@ def test_radix_selection_agrees_with_numpy(n):
         bits, greater, equal = kernels._radix_select(ptrs, lens, 0, len(pieces), k)
         assert np.array([bits], dtype=np.uint32).view(np.float32)[0] == v
         assert (greater, equal) == (np.count_nonzero(magnitude > v), np.count_nonzero(magnitude == v))
+
+
+def _population(x, parts=3):
+    pieces = [p.contiguous() for p in torch.split(x, -(-x.numel() // parts))]
+    return pieces, kernels.Plan.pointers(pieces), np.array([p.numel() for p in pieces], dtype=np.int64)
+
+
+@pytest.mark.parametrize("case", ["random", "sample_misses", "heavy_ties"])
+def test_sampled_selection_agrees_with_radix_and_numpy(case):
+    """The sampled-bracket selection (populations of 2^20 entries or more) against the radix selection
+    and numpy: on random data with zeros and ties, on data whose strided sample is all zeros (the
+    bracket misses: the radix fallback), and with 60% of the entries tied (the bracket overflows)."""
+    n = kernels._SAMPLED_FROM + 12_345
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, generator=g)
+    if case == "random":
+        x[::7] = 0.0
+        x[1::5] = torch.round(x[1::5] * 16) / 16
+    elif case == "sample_misses":
+        step = n / kernels._SAMPLE
+        x[(torch.arange(kernels._SAMPLE, dtype=torch.float64) * step).long()] = 0.0
+    else:
+        x[: int(0.6 * n)] = 0.25
+    pieces, ptrs, lens = _population(x)
+    if case == "sample_misses":  # the sample sees only the zeros
+        assert not kernels._strided_sample(ptrs, lens, 0, len(pieces), n, kernels._SAMPLE).any()
+    magnitude = np.abs(x.numpy())
+    ordered = np.sort(magnitude)[::-1]
+    for k in sorted({1, n // 1000, n // 5, n // 2, n - 1, n}):
+        v = ordered[k - 1]
+        bits, greater, equal = kernels._sampled_select(ptrs, lens, 0, len(pieces), k)
+        assert np.array([bits], dtype=np.uint32).view(np.float32)[0] == v
+        assert (greater, equal) == (np.count_nonzero(magnitude > v), np.count_nonzero(magnitude == v))
+        assert (bits, greater, equal) == kernels._radix_select(ptrs, lens, 0, len(pieces), k)
+    (value, tied, _), = kernels.kth_largest_abs([pieces], [n // 5])  # the public entry takes this path
+    assert value == ordered[n // 5 - 1]

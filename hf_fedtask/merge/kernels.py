@@ -11,11 +11,14 @@ unify's elected sign is 0 the torch path may write -0.0 and the kernel +0.0); on
 moves a rescaler by at most a few float32 ulps. The torch path stays as the reference (tests compare
 both on random inputs of odd sizes) and is used for dtypes other than float32.
 
-The threshold selection (`kth_largest_abs`) needs no sort: one pass histograms the high 12 bits of
-|x| (monotone in |x| for floats), a second collects the one bin holding the k-th largest, and two
-more histogram levels over that bin give the exact value. Populations (one per task, or per task
-and tensor) run in parallel. (A one-pass variant, a sampled bracket with a counting and collecting
-pass, measured slower here: its scalar loop costs more than the histogram's.)
+The threshold selection (`kth_largest_abs`) needs no sort. A population of a million entries or
+more is read about once: a strided sample brackets the k-th largest |x|, and one pass counts the
+entries above the bracket (a vectorized compare-and-sum per 16-entry block) and collects the ~1%
+inside it from the blocks that hold any; the exact value is resolved among those. Smaller
+populations, and a bracket that misses, take the radix selection: one pass histograms the high 12
+bits of |x| (monotone in |x| for floats), a second collects the one bin holding the k-th largest,
+and two more histogram levels over that bin give the exact value. Populations (one per task, or per
+task and tensor) run in parallel.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ BLOCK = 1 << 14  # entries of the flat space per parallel work item (a multiple 
 SUB = 1 << 11  # entries of one pass over all N tasks: N·SUB floats stay in L2 between the passes
 _BINS1 = 1 << 12  # first and second histogram levels: 12 bits of |x| each (then 7)
 _ABS = np.uint32(0x7FFFFFFF)
+_SAMPLE = 1 << 16  # entries of the strided sample that brackets the k-th largest, at most
+_SAMPLE_STRIDE_BITS = 6  # and at most one entry in 2^6
+_FLAG_BLOCK = 16  # entries per in-bracket count
+_CHUNK = 1 << 12  # entries flagged, then collected, while in L1
+_SAMPLED_FROM = 1 << 20  # populations at least this large take the sampled selection
 
 
 @intrinsic
@@ -313,6 +321,125 @@ def _radix_select(ptrs, lens, first, last, k):
     return value, above + above2 + above3, level3[b3]
 
 
+@numba.njit(nogil=True, cache=True)
+def _strided_sample(ptrs, lens, first, last, n, size):
+    """|x| bits of `size` entries at evenly spaced population-wide positions."""
+    out = np.empty(size, np.uint32)
+    step = n / size
+    i, base = first, 0
+    bits = numba.carray(_void_ptr(ptrs[i]), (lens[i],), np.uint32)
+    for s in range(size):
+        g = int(s * step)
+        while g >= base + lens[i]:
+            base += lens[i]
+            i += 1
+            bits = numba.carray(_void_ptr(ptrs[i]), (lens[i],), np.uint32)
+        out[s] = bits[g - base] & _ABS
+    return out
+
+
+@numba.njit(nogil=True, cache=True, inline="never")
+def _flag_blocks(chunk, lo, hi, flags):
+    """Entries of `chunk` (int32 |x| bits, whole blocks) above hi; per _FLAG_BLOCK-entry block, how
+    many lie in [lo, hi]. A loop of compares and sums that LLVM vectorizes, kept apart from the
+    collection (in the same loop body it was not) and indexed from 0 (no wraparound checks)."""
+    above = 0
+    for b in range(chunk.size // _FLAG_BLOCK):
+        over, inside = np.int32(0), np.int32(0)  # 32-bit lanes: twice as many per vector
+        for j in range(b * _FLAG_BLOCK, (b + 1) * _FLAG_BLOCK):
+            x = chunk[j] & np.int32(0x7FFFFFFF)
+            over += np.int32(x > hi)
+            inside += np.int32((x >= lo) & (x <= hi))
+        above += over
+        flags[b] = inside
+    return above
+
+
+@numba.njit(nogil=True, cache=True)
+def _bracket_pass(ptrs, lens, first, last, lo, hi, buf):
+    """How many |x| lie above hi, and the |x| bits in [lo, hi] collected into buf (a count of
+    buf.size means it overflowed). Per _CHUNK-entry chunk: flag the blocks, then collect from the
+    flagged ones while the chunk is in cache."""
+    above, count, cap = 0, 0, buf.size - 1
+    flags = np.empty(_CHUNK // _FLAG_BLOCK, np.uint8)
+    for i in range(first, last):
+        bits = numba.carray(_void_ptr(ptrs[i]), (lens[i],), np.int32)  # |x| bits fit in int32
+        n = lens[i]
+        whole = n - n % _FLAG_BLOCK
+        for start in range(0, whole, _CHUNK):
+            chunk = bits[start:min(start + _CHUNK, whole)]
+            above += _flag_blocks(chunk, lo, hi, flags)
+            for b in range(chunk.size // _FLAG_BLOCK):
+                if flags[b]:
+                    if count + flags[b] > cap:
+                        return above, cap + 1
+                    for j in range(b * _FLAG_BLOCK, (b + 1) * _FLAG_BLOCK):
+                        x = chunk[j] & np.int32(0x7FFFFFFF)
+                        buf[count] = x  # branch-free: overwritten unless the entry is in the bracket
+                        count += (x >= lo) & (x <= hi)
+        for j in range(whole, n):
+            x = bits[j] & np.int32(0x7FFFFFFF)
+            above += x > hi
+            if (x >= lo) & (x <= hi):
+                if count == cap:
+                    return above, cap + 1
+                buf[count] = x
+                count += 1
+    return above, count
+
+
+@numba.njit(nogil=True, cache=True)
+def _kth_largest_of(values, lo, hi, k):
+    """The k-th largest of `values` (uint32, all in [lo, hi]): a 12-bit histogram of value − lo, then
+    a sort of the one bin that holds it."""
+    shift = 0
+    while ((hi - lo) >> shift) >= _BINS1:
+        shift += 1
+    hist = np.zeros(_BINS1, np.int64)
+    for x in values:
+        hist[(x - lo) >> shift] += 1
+    b, above = _bin_from_top(hist, k)
+    members = np.empty(hist[b], np.uint32)
+    m = 0
+    for x in values:
+        if (x - lo) >> shift == b:
+            members[m] = x
+            m += 1
+    members.sort()
+    return members[m - (k - above)]
+
+
+@numba.njit(nogil=True, cache=True)
+def _sampled_select(ptrs, lens, first, last, k):
+    """`_radix_select`'s answer in about one pass: a strided sample of _SAMPLE entries brackets the
+    k-th largest |x| (±3.5 standard deviations of its sample rank), `_bracket_pass` counts the
+    entries above the bracket and collects those inside, and the k-th largest is resolved among
+    them. A bracket that misses or overflows (a sample that was not representative, heavy ties)
+    falls back to `_radix_select`."""
+    n = 0
+    for i in range(first, last):
+        n += lens[i]
+    size = min(_SAMPLE, n >> _SAMPLE_STRIDE_BITS)  # sparse enough to cost little next to the pass
+    sample = _strided_sample(ptrs, lens, first, last, n, size)
+    q = k / n
+    spread = 3.5 * np.sqrt(size * q * (1.0 - q)) + 8.0
+    rank_hi, rank_lo = int(size * q - spread), int(size * q + spread)  # sample ranks from the top
+    everything = np.uint32(0x7FFFFFFF)
+    lo = _kth_largest_of(sample, np.uint32(0), everything, rank_lo) if rank_lo < size else np.uint32(0)
+    hi = _kth_largest_of(sample, np.uint32(0), everything, rank_hi) if rank_hi > 0 else everything
+    buf = np.empty(int(3.0 * n * (rank_lo - rank_hi) / size) + 4096, np.int32)
+    above, count = _bracket_pass(ptrs, lens, first, last, np.int32(lo), np.int32(hi), buf)
+    if count >= buf.size or above >= k or above + count < k:
+        return _radix_select(ptrs, lens, first, last, k)
+    found = buf[:count].view(np.uint32)
+    value = _kth_largest_of(found, lo, hi, k - above)
+    greater, equal = above, 0
+    for j in range(count):
+        greater += found[j] > value
+        equal += found[j] == value
+    return value, greater, equal
+
+
 @numba.njit(inline="always")
 def _bin_from_top(hist, k):
     """The bin holding the k-th largest entry of a histogram, and the count in the bins above it."""
@@ -326,7 +453,11 @@ def _bin_from_top(hist, k):
 @numba.njit(parallel=True, nogil=True, cache=True)
 def _select_kernel(ptrs, lens, population, ks, values, greater, equal):
     for p in prange(population.size - 1):
-        values[p], greater[p], equal[p] = _radix_select(ptrs, lens, population[p], population[p + 1], ks[p])
+        first, last = population[p], population[p + 1]
+        if lens[first:last].sum() >= _SAMPLED_FROM:
+            values[p], greater[p], equal[p] = _sampled_select(ptrs, lens, first, last, ks[p])
+        else:
+            values[p], greater[p], equal[p] = _radix_select(ptrs, lens, first, last, ks[p])
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
