@@ -19,6 +19,9 @@ Methods, each called on the same inputs:
   ties_model     ties with scope="model": one top-k over each whole task vector (TIES as its paper
                  states it), so the selection runs on populations of d entries, where the sampled
                  bracket replaces the radix selection
+  model_select   that selection alone (sampled bracket, radix fallback)
+  model_select_radix   the radix selection on the same populations, in parallel the same way; its
+                 values are checked equal to model_select's
   ties_torch     hf_fedtask.merge.ties(backend="torch"): the streaming torch reference, checked
                  equal to ties bit for bit before any ratio is printed
   peft_ties      peft.utils.merge_utils.ties once per parameter, as peft's add_weighted_adapter
@@ -38,6 +41,7 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   unify_time/floor_time                         cost over the floor (goal ≤ 2)
   ties_select_time/floor_time                   the selection's share of ties, in floors
   ties_model_time/floor_time                    ties with whole-vector trimming, in floors
+  model_select_radix_time/model_select_time     the sampled-bracket selection's speed-up over radix
   ties_torch_time/ties_time, unify_torch_time/unify_time   the fused kernels over the torch path
   peft_ties_time/ties_time                      speed-up of our ties over peft's ties (goal ≥ 10)
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
@@ -71,11 +75,13 @@ import os
 import threading
 import time
 
+import numba
+import numpy as np
 import torch
 from peft.utils import merge_utils as peft_merge
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import ties, unify
+from hf_fedtask.merge import kernels, ties, unify
 from hf_fedtask.merge.streaming import Layout, chunk_len
 from hf_fedtask.merge.ties import _select_all
 
@@ -90,6 +96,7 @@ GOALS = {
     "unify_time/floor_time": (2.0, False),
     "ties_select_time/floor_time": None,
     "ties_model_time/floor_time": None,
+    "model_select_radix_time/model_select_time": None,
     "ties_torch_time/ties_time": None,
     "unify_torch_time/unify_time": None,
     "peft_ties_time/ties_time": (10.0, True),
@@ -202,6 +209,25 @@ def _reset_peak() -> bool:
         return False
 
 
+def radix_select_all(vectors: list[TaskVector], density: float) -> np.ndarray:
+    """The radix selection on every whole task vector (the populations of `ties_model`), run in
+    parallel like the kernels run theirs: what the sampled-bracket selection is measured against."""
+    tensors = [t.reshape(-1).contiguous() for tv in vectors for t in tv.values()]
+    lens = np.array([t.numel() for t in tensors], dtype=np.int64)
+    population = np.arange(0, len(tensors) + 1, len(vectors[0]), dtype=np.int64)
+    ks = np.array([int(density * lens[a:b].sum()) for a, b in zip(population[:-1], population[1:])], dtype=np.int64)
+    values = np.empty(len(vectors), dtype=np.uint32)
+    with kernels.torch_threads():
+        _radix_all(kernels.Plan.pointers(tensors), lens, population, ks, values)
+    return values
+
+
+@numba.njit(parallel=True, nogil=True)
+def _radix_all(ptrs, lens, population, ks, values):
+    for p in numba.prange(population.size - 1):
+        values[p] = kernels._radix_select(ptrs, lens, population[p], population[p + 1], ks[p])[0]
+
+
 def measure(fn, repeat: int) -> tuple[float, int, object]:
     """(best seconds, smallest peak extra bytes, last result) over `repeat` calls of fn()."""
     best_s, best_mem, result = math.inf, None, None
@@ -268,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = [0.5 + t / args.n for t in range(args.n)]
     ties(vectors[:2], weights[:2], args.density)  # compile the kernels (cached on disk) outside the timings
     unify(vectors[:2])
+    radix_select_all(vectors[:2], args.density)
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
     print(f"layout {args.layout} ({len(vectors[0])} tensors), N={args.n} d={args.d:,} float32 ({args.n * args.d * 4 / 2**20:,.0f} MiB of inputs), density "
@@ -277,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "ties": lambda: ties(vectors, weights, args.density),
         "ties_select": lambda: _select_all(flats, args.density, "tensor"),
         "ties_model": lambda: ties(vectors, weights, args.density, scope="model"),
+        "model_select": lambda: _select_all(flats, args.density, "model"),
+        "model_select_radix": lambda: radix_select_all(vectors, args.density),
         "ties_torch": lambda: ties(vectors, weights, args.density, backend="torch"),
         "peft_ties": lambda: peft_ties(vectors, weights, args.density),
         "unify": lambda: unify(vectors),
@@ -293,6 +322,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not (all(torch.equal(outputs["unify"].vector[k], outputs["unify_torch"].vector[k]) for k in vectors[0])
             and all(torch.equal(a, b) for a, b in zip(outputs["unify"].masks, outputs["unify_torch"].masks))):
         raise SystemExit("unify and unify_torch disagree: the comparison is void")
+    sampled = [np.float32(found[0][0]) for found in outputs["model_select"]]
+    if not np.array_equal(np.array(sampled, dtype=np.float32), outputs["model_select_radix"].view(np.float32)):
+        raise SystemExit("the sampled and radix selections disagree: the comparison is void")
     rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
     outputs.clear()
 
@@ -310,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "unify_time/floor_time": time_of["unify"] / time_of["floor"],
         "ties_select_time/floor_time": time_of["ties_select"] / time_of["floor"],
         "ties_model_time/floor_time": time_of["ties_model"] / time_of["floor"],
+        "model_select_radix_time/model_select_time": time_of["model_select_radix"] / time_of["model_select"],
         "ties_torch_time/ties_time": time_of["ties_torch"] / time_of["ties"],
         "unify_torch_time/unify_time": time_of["unify_torch"] / time_of["unify"],
         "peft_ties_time/ties_time": time_of["peft_ties"] / time_of["ties"],
@@ -317,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],
         "unify_mem/stacked_unify_mem": mem_of["unify"] / mem_of["stacked_unify"],
     }
-    print(f"\n{'':<6}{'ratio':<31}{'value':>8}  goal")
+    print(f"\n{'':<6}{'ratio':<44}{'value':>8}  goal")
     for name, value in ratios.items():
         if GOALS[name] is None:
             verdict = "(no goal)"
@@ -325,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             goal, at_least = GOALS[name]
             ok = value >= goal if at_least else value <= goal
             verdict = f"{'≥' if at_least else '≤'} {goal:g} {'met' if ok else 'NOT met'}"
-        print(f"{'RATIO':<6}{name:<31}{value:>8.3f}  {verdict}")
+        print(f"{'RATIO':<6}{name:<44}{value:>8.3f}  {verdict}")
     return ratios
 
 

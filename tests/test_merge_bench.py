@@ -12,7 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_bench.py"
 RATIOS = {"ties_time/floor_time", "unify_time/floor_time", "peft_ties_time/ties_time", "ties_mem/peft_ties_mem",
           "ties_select_time/floor_time", "ties_model_time/floor_time", "ties_torch_time/ties_time",
-          "unify_torch_time/unify_time",
+          "unify_torch_time/unify_time", "model_select_radix_time/model_select_time",
           "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem"}
 
 
