@@ -189,6 +189,13 @@ def test_clear_errors(lora_model, batch):
         LinearizedModel(lora_model, mode="taylor2")
     with pytest.raises(LinearizationError, match="no LoRA layer"):
         LinearizedModel(torch.nn.Linear(2, 2), mode="lora_layers")
+    with pytest.raises(LinearizationError, match="fused_rules applies to mode 'network' only"):
+        LinearizedModel(lora_model, mode="lora_layers", fused_rules=True)
+    attention = lora_model.config._attn_implementation
+    with pytest.raises(LinearizationError, match="lacks trainable parameter"):
+        LinearizedModel(lora_model, point={})
+    assert lora_model.config._attn_implementation == attention  # a refused model is left as it was
+    assert not any("forward" in vars(m) for m in lora_model.modules())
 
 
 @pytest.fixture

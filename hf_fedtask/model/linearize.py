@@ -49,7 +49,6 @@ def _forward_ad_attention(model: nn.Module, fused: bool) -> str:
     return "eager"
 
 
-
 class LinearizationError(FedTaskError, ValueError):
     """The model cannot be linearized (no trainable parameters, or an op without forward-mode AD)."""
 
@@ -96,24 +95,24 @@ class LinearizedModel(nn.Module):
     inputs, returns `loss` (cross-entropy on the linearized logits) and `logits`, and its trainable
     parameters are the wrapped model's. Dropout follows train/eval mode and uses one mask for both
     terms. While it lives it switches the model to an attention with forward-mode AD and, in
-    network mode with `fused_rules` (default), gives frozen layers fused tangent rules
-    (`hf_fedtask.model.tangent_rules`; `fused_rules=False` keeps torch's generic formulas, the
-    reference they are tested against); `restore()` undoes both.
+    network mode, gives frozen layers fused tangent rules (`hf_fedtask.model.tangent_rules`;
+    `fused_rules=False` keeps torch's generic formulas, the reference they are tested against;
+    `fused_rules=True` with mode 'lora_layers', which has no such rules, is refused); `restore()`
+    undoes both.
     """
 
     accepts_loss_kwargs = False  # the loss is computed here, per batch; Trainer must not pass token counts
 
     def __init__(self, model: nn.Module, point: Mapping[str, torch.Tensor] | None = None, mode: str = "network",
-                 fused_rules: bool = True):
+                 fused_rules: bool | None = None):
         super().__init__()
         if mode not in MODES:
             raise LinearizationError(f"unknown linearization mode {mode!r}; choose one of {', '.join(MODES)}")
+        if fused_rules and mode != "network":
+            raise LinearizationError(f"fused_rules applies to mode 'network' only, not {mode!r}")
+        fused = mode == "network" and fused_rules is not False
         self.model = model
         self.mode = mode
-        fused = fused_rules and mode == "network"
-        self._attention = _attention_of(model)
-        if self._attention is not None:
-            model.set_attn_implementation(_forward_ad_attention(model, fused))
         trainable = _trainable(model)
         if not trainable:
             raise LinearizationError(f"{type(model).__name__} has no trainable parameters to linearize in")
@@ -129,6 +128,9 @@ class LinearizedModel(nn.Module):
             self._linearize_lora_layers()
         elif fused:
             self._patched = patch_frozen_modules(model)
+        self._attention = _attention_of(model)  # switched last: a refused model is left as it was
+        if self._attention is not None:
+            model.set_attn_implementation(_forward_ad_attention(model, fused))
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, labels: torch.Tensor | None = None, **inputs) -> SequenceClassifierOutput:

@@ -136,18 +136,20 @@ class _Dropout(torch.autograd.Function):
         return g * ctx.keep, None
 
 
-def _dropout_keep(like: torch.Tensor, p: float) -> torch.Tensor:
-    """F.dropout's draw on CPU: bernoulli(1 − p) / (1 − p), so masks match the ordinary model's."""
+def _dropout_keep(training: bool, p: float, like: torch.Tensor) -> torch.Tensor | None:
+    """Dropout's scaled mask, drawn as F.dropout draws it on CPU (bernoulli(1 − p) / (1 − p)), so
+    masks match the ordinary model's; None where dropout is the identity."""
+    if not training or p == 0:
+        return None
+    if p == 1:
+        return torch.zeros_like(like)
     return torch.empty_like(like).bernoulli_(1 - p).div_(1 - p)
 
 
 def _dropout_forward(module: nn.Dropout):
     def forward(x):
-        if not module.training or module.p == 0:
-            return x
-        if module.p == 1:
-            return x * 0
-        return _Dropout.apply(x, (_dropout_keep(x, module.p),))  # in a tuple: no zero tangent for the mask
+        keep = _dropout_keep(module.training, module.p, x)
+        return x if keep is None else _Dropout.apply(x, (keep,))  # in a tuple: no zero tangent for the mask
 
     return forward
 
@@ -221,9 +223,7 @@ def _lora_forward(layer: nn.Module):
             return cls_forward(layer, x, *args, **kwargs)
         name = active[0]
         dropout = layer.lora_dropout[name]
-        keep = None
-        if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
-            keep = _dropout_keep(x, dropout.p)
+        keep = _dropout_keep(dropout.training, dropout.p, x) if isinstance(dropout, nn.Dropout) else None
         return _LoraLinear.apply(x, layer.lora_A[name].weight, layer.lora_B[name].weight,
                                  (layer.base_layer, layer.scaling[name], keep))[0]
 
@@ -311,9 +311,7 @@ def tangent_attention(module: nn.Module, query, key, value, attention_mask, scal
     k_len = key.shape[2]
     if scaling is None:
         scaling = head_dim ** -0.5
-    keep = None
-    if module.training and dropout > 0:
-        keep = _dropout_keep(query.new_empty((batch, heads, q_len, k_len)), dropout)
+    keep = _dropout_keep(module.training, dropout, query.new_empty((batch, heads, q_len, k_len)))
     mask = None if attention_mask is None else attention_mask[..., :k_len]
     q, k, v = (x.reshape(batch * heads, x.shape[2], x.shape[3]) for x in (query, key, value))
     # mask, keep and the scalars travel in a tuple: autograd.Function gives them no tangent (no zero fill)
