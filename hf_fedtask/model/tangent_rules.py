@@ -37,11 +37,16 @@ def _is_frozen(module: nn.Module) -> bool:
     return not any(p.requires_grad for p in module.parameters(recurse=False))
 
 
+def _layer_norm_vjp(g, x, shape, mean, rstd, weight):
+    """Jᵀ·g of layer norm at x (J₀·(w ⊙ g); with weight None, J₀·g = J₀ᵀ·g, J₀ being symmetric)."""
+    return torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, weight, None, [True, False, False])[0]
+
+
 # -- the tangent maps: linear in t, with their adjoints as backward -------------------------------
 class _LayerNormTangent(torch.autograd.Function):
     @staticmethod
     def forward(t, x, shape, mean, rstd, weight):
-        dx = torch.ops.aten.native_layer_norm_backward(t, x, shape, mean, rstd, None, None, [True, False, False])[0]
+        dx = _layer_norm_vjp(t, x, shape, mean, rstd, None)
         return dx if weight is None else dx * weight
 
     @staticmethod
@@ -50,9 +55,7 @@ class _LayerNormTangent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        dx = torch.ops.aten.native_layer_norm_backward(g, ctx.x, ctx.shape, ctx.mean, ctx.rstd, ctx.weight, None,
-                                                       [True, False, False])[0]
-        return dx, None, None, None, None, None
+        return _layer_norm_vjp(g, ctx.x, ctx.shape, ctx.mean, ctx.rstd, ctx.weight), None, None, None, None, None
 
 
 class _SoftmaxTangent(torch.autograd.Function):
@@ -111,9 +114,7 @@ class _FrozenLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, *_):
-        dx = torch.ops.aten.native_layer_norm_backward(g, ctx.x, ctx.shape, ctx.mean, ctx.rstd, ctx.weight, None,
-                                                       [True, False, False])[0]
-        return dx, None
+        return _layer_norm_vjp(g, ctx.x, ctx.shape, ctx.mean, ctx.rstd, ctx.weight), None
 
 
 class _Dropout(torch.autograd.Function):
