@@ -95,6 +95,27 @@ def test_kth_largest_abs_is_numpy_partition(n):
             assert kept is None
 
 
+def test_kth_largest_abs_of_many_populations_in_one_call():
+    """Populations that need tied entries kept, beside ones that need none, in one parallel call:
+    each gets its own first tied indices (in later pieces too), the others none."""
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(n, generator=g) for n in (5_001, 90_001, 3_001, 70_001)]
+    xs[0][2_000:] = torch.round(xs[0][2_000:] * 4) / 4  # ties, only past the first piece
+    xs[3] = torch.round(xs[3] * 16) / 16
+    ks = [2_500, 20_000, 3_001, 9_999]
+    found = kernels.kth_largest_abs([list(torch.split(x, 1_700)) for x in xs], ks)
+    assert [t for _, t, _ in found] == [True, False, False, True]
+    assert found[0][2].min() > 1_700  # population 0's tied entries all lie past its first piece
+    for x, k, (value, tied, kept) in zip(xs, ks, found):
+        magnitude = np.abs(x.numpy())
+        assert value == np.sort(magnitude)[::-1][k - 1]
+        if tied:
+            at = np.flatnonzero(magnitude == value)
+            assert kept.tolist() == at[: k - np.count_nonzero(magnitude > value)].tolist()
+        else:
+            assert kept is None
+
+
 def test_ties_at_the_threshold_are_kept_in_index_order():
     x = torch.tensor([0.5, -2.0, 1.0, -1.0, 1.0, 0.1, -1.0])
     assert magnitude_prune(x, 3 / 7).tolist() == [0.0, -2.0, 1.0, -1.0, 0.0, 0.0, 0.0]
@@ -149,23 +170,27 @@ def _population(x, parts=3):
 
 @pytest.mark.parametrize("case", ["random", "sample_misses", "heavy_ties"])
 def test_sampled_selection_agrees_with_radix_and_numpy(case):
-    """The sampled-bracket selection (populations of 2^20 entries or more) against the radix selection
-    and numpy: on random data with zeros and ties, on data whose strided sample is all zeros (the
-    bracket misses: the radix fallback), and with 60% of the entries tied (the bracket overflows)."""
-    n = kernels._SAMPLED_FROM + 12_345
+    """The sampled-bracket selection (populations of _SAMPLED_FROM entries or more) against the radix
+    selection and numpy: on random data with zeros and ties, on data whose strided sample is all
+    zeros (the bracket misses: the radix fallback), and with 60% of the entries tied (the bracket
+    overflows)."""
+    n = max(kernels._SAMPLED_FROM, 1 << 20) + 12_345
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, generator=g)
     if case == "random":
         x[::7] = 0.0
         x[1::5] = torch.round(x[1::5] * 16) / 16
     elif case == "sample_misses":
-        step = n / kernels._SAMPLE
-        x[(torch.arange(kernels._SAMPLE, dtype=torch.float64) * step).long()] = 0.0
+        runs, stride = kernels._sample_runs(n)
+        starts = torch.arange(runs) * stride
+        x[(starts[:, None] + torch.arange(kernels._SAMPLE_RUN)).reshape(-1)] = 0.0
     else:
         x[: int(0.6 * n)] = 0.25
     pieces, ptrs, lens = _population(x)
     if case == "sample_misses":  # the sample sees only the zeros
-        assert not kernels._strided_sample(ptrs, lens, 0, len(pieces), n, kernels._SAMPLE).any()
+        sample = kernels._strided_sample(ptrs, lens, 0, len(pieces), n)
+        assert sample.size == runs * kernels._SAMPLE_RUN and not sample.any()
+        assert np.count_nonzero(x.numpy()) > 0.9 * n
     magnitude = np.abs(x.numpy())
     ordered = np.sort(magnitude)[::-1]
     for k in sorted({1, n // 1000, n // 5, n // 2, n - 1, n}):
