@@ -36,6 +36,20 @@ Methods, each called on the same inputs:
                  is checked equal to unify's (the unified vector and every mask bit for bit, the
                  rescalers to 1e-6 relative) before any ratio is printed.
 
+  mean           hf_fedtask.merge.weighted_average on the list of N vectors (FedAvg's aggregate): one
+                 fused pass, float64 sums per cache-sized chunk, each input read once
+  mean_stream    weighted_average on a generator of the N vectors (as from files): a fused running
+                 float64 sum, O(d) memory however many vectors come
+  mean_torch     weighted_average(backend="torch") on the generator: the reference (a float64 copy
+                 of each input, then add_); mean and mean_stream are checked equal to it bit for bit
+  agreement      hf_fedtask.merge.agreement_mask (MaTU's soft sign-agreement mask, rho 0.4), fused
+  agreement_torch  the same with backend="torch" (one sign tensor per task); checked equal bit for bit
+  dare_linear    hf_fedtask.merge.dare_linear (density 0.2, seed 0): torch draws the masks (peft's
+                 random stream), one fused pass drops, rescales and adds each task
+  dare_linear_torch  the torch path (two temporaries per task and key); checked equal bit for bit
+  dare_ties      hf_fedtask.merge.dare_ties: the same draws, then the fused TIES election and mean
+  dare_ties_torch  the torch path; checked equal bit for bit
+
 Ratios, each named by what is divided by what (time = best wall time, mem = peak extra memory):
   ties_time/floor_time                          cost over the floor (goal ≤ 4)
   unify_time/floor_time                         cost over the floor (goal ≤ 2)
@@ -47,6 +61,10 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
   stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify
   unify_mem/stacked_unify_mem                   streaming unify's peak extra memory over stacked's
+  mean_time/floor_time, mean_stream_time/floor_time, agreement_time/floor_time   the other fused
+                                                passes, in floors
+  mean_torch_time/mean_time, mean_torch_time/mean_stream_time, agreement_torch_time/agreement_time,
+  dare_linear_torch_time/dare_linear_time, dare_ties_torch_time/dare_ties_time   fused over torch
 (the issue set no goal for unify against a stacked unify: those two rows are reported without one).
 
 Time: wall clock, the best of --repeat calls. Peak extra memory: the peak resident set size during
@@ -81,7 +99,7 @@ import torch
 from peft.utils import merge_utils as peft_merge
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import kernels, ties, unify
+from hf_fedtask.merge import agreement_mask, dare_linear, dare_ties, kernels, ties, unify, weighted_average
 from hf_fedtask.merge.streaming import Layout, chunk_len
 from hf_fedtask.merge.ties import _select_all
 
@@ -103,6 +121,14 @@ GOALS = {
     "ties_mem/peft_ties_mem": (0.2, False),
     "stacked_unify_time/unify_time": None,
     "unify_mem/stacked_unify_mem": None,
+    "mean_time/floor_time": None,
+    "mean_stream_time/floor_time": None,
+    "agreement_time/floor_time": None,
+    "mean_torch_time/mean_time": None,
+    "mean_torch_time/mean_stream_time": None,
+    "agreement_torch_time/agreement_time": None,
+    "dare_linear_torch_time/dare_linear_time": None,
+    "dare_ties_torch_time/dare_ties_time": None,
 }
 
 
@@ -294,6 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = [0.5 + t / args.n for t in range(args.n)]
     ties(vectors[:2], weights[:2], args.density)  # compile the kernels (cached on disk) outside the timings
     unify(vectors[:2])
+    weighted_average(vectors[:2], weights[:2]), weighted_average(iter(vectors[:2]), weights[:2])
+    agreement_mask(vectors[:2]), dare_linear(vectors[:2], weights[:2], args.density)
     radix_select_all(vectors[:2], args.density)
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
@@ -311,6 +339,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "unify": lambda: unify(vectors),
         "unify_torch": lambda: unify(vectors, backend="torch"),
         "stacked_unify": lambda: stacked_unify(vectors),
+        "mean": lambda: weighted_average(vectors, weights),
+        "mean_stream": lambda: weighted_average(iter(vectors), weights),
+        "mean_torch": lambda: weighted_average(iter(vectors), weights, backend="torch"),
+        "agreement": lambda: agreement_mask(vectors, 0.4),
+        "agreement_torch": lambda: agreement_mask(vectors, 0.4, backend="torch"),
+        "dare_linear": lambda: dare_linear(vectors, weights, args.density),
+        "dare_linear_torch": lambda: dare_linear(vectors, weights, args.density, backend="torch"),
+        "dare_ties": lambda: dare_ties(vectors, weights, args.density),
+        "dare_ties_torch": lambda: dare_ties(vectors, weights, args.density, backend="torch"),
     }
     results, outputs = {}, {}
     for name, fn in runs.items():
@@ -326,14 +363,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not np.array_equal(np.array(sampled, dtype=np.float32), outputs["model_select_radix"].view(np.float32)):
         raise SystemExit("the sampled and radix selections disagree: the comparison is void")
     rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
+    for fused, reference in (("mean", "mean_torch"), ("mean_stream", "mean_torch"), ("agreement", "agreement_torch"),
+                             ("dare_linear", "dare_linear_torch"), ("dare_ties", "dare_ties_torch")):
+        if not all(torch.equal(outputs[fused][k].view(torch.int32), outputs[reference][k].contiguous().view(torch.int32))
+                   for k in vectors[0]):
+            raise SystemExit(f"{fused} and {reference} disagree: the comparison is void")
     outputs.clear()
 
-    print(f"\n{'method':<15}{'time s':>10}{'peak extra MiB':>16}")
+    print(f"\n{'method':<19}{'time s':>10}{'peak extra MiB':>16}")
     for name, (seconds, mem) in results.items():
-        print(f"{name:<15}{seconds:>10.3f}{mem / 2**20:>16.1f}")
+        print(f"{name:<19}{seconds:>10.3f}{mem / 2**20:>16.1f}")
     print(f"max |ties - peft_ties| = {ties_diff:.3g}; ties == ties_torch and unify == unify_torch (vector, masks)")
     print(f"unify == stacked_unify: unified vector and all {args.n} masks identical, "
           f"max relative rescaler difference {rescaler_diff:.3g}")
+    print("mean, mean_stream == mean_torch; agreement == agreement_torch; dare_linear, dare_ties == their torch paths (bit for bit)")
 
     time_of = {name: seconds for name, (seconds, _) in results.items()}
     mem_of = {name: mem for name, (_, mem) in results.items()}
@@ -349,6 +392,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "ties_mem/peft_ties_mem": mem_of["ties"] / mem_of["peft_ties"],
         "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],
         "unify_mem/stacked_unify_mem": mem_of["unify"] / mem_of["stacked_unify"],
+        "mean_time/floor_time": time_of["mean"] / time_of["floor"],
+        "mean_stream_time/floor_time": time_of["mean_stream"] / time_of["floor"],
+        "agreement_time/floor_time": time_of["agreement"] / time_of["floor"],
+        "mean_torch_time/mean_time": time_of["mean_torch"] / time_of["mean"],
+        "mean_torch_time/mean_stream_time": time_of["mean_torch"] / time_of["mean_stream"],
+        "agreement_torch_time/agreement_time": time_of["agreement_torch"] / time_of["agreement"],
+        "dare_linear_torch_time/dare_linear_time": time_of["dare_linear_torch"] / time_of["dare_linear"],
+        "dare_ties_torch_time/dare_ties_time": time_of["dare_ties_torch"] / time_of["dare_ties"],
     }
     print(f"\n{'':<6}{'ratio':<44}{'value':>8}  goal")
     for name, value in ratios.items():

@@ -13,7 +13,10 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_bench.py"
 RATIOS = {"ties_time/floor_time", "unify_time/floor_time", "peft_ties_time/ties_time", "ties_mem/peft_ties_mem",
           "ties_select_time/floor_time", "ties_model_time/floor_time", "ties_torch_time/ties_time",
           "unify_torch_time/unify_time", "model_select_radix_time/model_select_time",
-          "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem"}
+          "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem", "mean_time/floor_time",
+          "mean_stream_time/floor_time", "agreement_time/floor_time", "mean_torch_time/mean_time",
+          "mean_torch_time/mean_stream_time", "agreement_torch_time/agreement_time",
+          "dare_linear_torch_time/dare_linear_time", "dare_ties_torch_time/dare_ties_time"}
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,7 @@ def test_merge_bench_returns_finite_positive_ratios(bench, capsys):
     assert all(math.isfinite(v) and v > 0 for v in ratios.values()), ratios
     out = capsys.readouterr().out
     assert "max |ties - peft_ties|" in out and "unify == stacked_unify" in out
+    assert "mean, mean_stream == mean_torch" in out
     for name in RATIOS:  # every ratio is printed under its unambiguous name
         assert f"RATIO {name} " in " ".join(out.split()), name
     assert "peft/unify" not in out and "peft_ties_time/unify_time" not in out  # no unlike-with-like row

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import kernels, ties, unify
+from hf_fedtask.merge import agreement_mask, dare_linear, dare_ties, kernels, ties, unify, weighted_average
 from hf_fedtask.merge.ties import magnitude_prune
 
 SIZES = {"w": (13, 29), "b": (1,), "x": (1031,), "big": (70_001,), "t": (9, 7), "lone": (3,)}
@@ -75,6 +75,56 @@ def test_kernels_on_a_lora_layout_of_many_small_tensors():
     fused, reference = unify(vectors, backend="numba"), unify(vectors, backend="torch")
     assert all(torch.equal(m, r) for m, r in zip(fused.masks, reference.masks))
     assert all(torch.equal(fused.vector[k], reference.vector[k]) for k in shapes)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 2.0, 3.5, 0.25, 7.0, 1.5], [0.1, -0.3, 2.7, 1e-3, 5.0, 0.5]])
+def test_fused_weighted_average_is_the_torch_path_bit_for_bit(weights):
+    """Both fused paths (a list: one pass; a generator: a running sum) against the torch reference."""
+    vectors = _vectors(6, seed=21)
+    reference = weighted_average(iter(vectors), weights, backend="torch")
+    for fused in (weighted_average(vectors, weights, backend="numba"),
+                  weighted_average(iter(vectors), weights, backend="numba")):
+        for key in vectors[0]:
+            assert fused[key].shape == vectors[0][key].shape and fused[key].dtype == torch.float32
+            assert torch.equal(_bits(fused[key]), _bits(reference[key])), key
+
+
+def test_weighted_average_refuses_a_mismatched_vector_before_reading_it():
+    vectors = _vectors(3, seed=2)
+    bad = TaskVector({**vectors[2], "big": torch.zeros(70_000)})  # a smaller tensor: the kernel would read past it
+    for given in ([vectors[0], vectors[1], bad], iter([vectors[0], vectors[1], bad])):
+        with pytest.raises(ValueError, match="shape of 'big'"):
+            weighted_average(given, [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="dtype of 'b'"):
+        weighted_average(iter([vectors[0], TaskVector({**vectors[1], "b": vectors[1]["b"].double()})]), [1.0, 1.0])
+    with pytest.raises(ValueError, match="float32"):
+        weighted_average([TaskVector({"w": torch.ones(3, dtype=torch.float64)})], [1.0], backend="numba")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("rho", [0.0, 0.4, 1 / 3, 1.0])
+def test_fused_agreement_mask_is_the_torch_path_bit_for_bit(quantized, rho):
+    vectors = _vectors(6, seed=4, quantized=quantized)  # quantized: many zeros, whose sign is 0
+    fused = agreement_mask(vectors, rho, backend="numba")
+    reference = agreement_mask(vectors, rho, backend="torch")
+    for key in vectors[0]:
+        assert torch.equal(_bits(fused[key]), _bits(reference[key])), key
+    assert any(bool((reference[k] < 1).any()) for k in vectors[0]) or rho == 0.0
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("density", [0.1, 0.45, 1.0])
+def test_fused_dare_is_the_torch_path_bit_for_bit(quantized, density):
+    """The same draws (torch's, in peft's order; "t" is a transposed tensor, drawn in its own layout)
+    and the fused arithmetic around them give the torch path's merge exactly."""
+    vectors = _vectors(5, seed=9, quantized=quantized)
+    weights = [1.0, 0.5, 2.0, -0.7, 1.3]
+    for merge in (dare_linear, dare_ties):
+        fused = merge(vectors, weights, density, seed=4, backend="numba")
+        reference = merge(vectors, weights, density, seed=4, backend="torch")
+        for key in vectors[0]:
+            assert fused[key].shape == vectors[0][key].shape
+            assert torch.equal(_bits(fused[key]), _bits(reference[key])), (merge.__name__, key)
 
 
 @pytest.mark.parametrize("n", [1, 2, 9, 4097, 300_001])

@@ -25,6 +25,7 @@ task and tensor) run in parallel.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
@@ -75,7 +76,8 @@ def use_kernels(backend: str, layout: Layout) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "numba" and not supported(layout):
-        raise ValueError(f"the numba backend takes float32 task vectors, got {layout.dtype}")
+        dtype = next((d for d in layout.dtypes.values() if d != torch.float32), layout.dtype)
+        raise ValueError(f"the numba backend takes float32 task vectors, got {dtype}")
     return backend == "numba" or (backend == "auto" and supported(layout))
 
 
@@ -100,9 +102,7 @@ class Plan:
     def __init__(self, layout: Layout, flats: Sequence[Mapping[str, torch.Tensor]]):
         self.keys = list(layout.numels)
         index = {k: j for j, k in enumerate(self.keys)}
-        self.tensors = [[f[k].contiguous() for k in self.keys] for f in flats]  # keeps the pointers valid
-        self.ptrs = np.array([[t.data_ptr() for t in row] for row in self.tensors], dtype=np.int64).reshape(
-            len(flats), len(self.keys))
+        self._bind(flats)
         key, start, stop, flat, block = [], [], [], [], [0]
         for first, pieces in layout.chunks(BLOCK):
             for p in pieces:
@@ -113,6 +113,18 @@ class Plan:
             block.append(len(key))
         self.piece_key, self.piece_start, self.piece_stop, self.piece_flat, self.block = (
             np.array(a, dtype=np.int64) for a in (key, start, stop, flat, block))
+
+    def _bind(self, flats: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        self.tensors = [[f[k].contiguous() for k in self.keys] for f in flats]  # keeps the pointers valid
+        self.ptrs = np.array([[t.data_ptr() for t in row] for row in self.tensors], dtype=np.int64).reshape(
+            len(flats), len(self.keys))
+
+    def rebind(self, flats: Sequence[Mapping[str, torch.Tensor]]) -> Plan:
+        """The same cut of the flat space over other task vectors of the same layout (the pieces are
+        not recomputed: a stream of vectors pays for them once)."""
+        other = copy.copy(self)
+        other._bind(flats)
+        return other
 
     @staticmethod
     def pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:
@@ -190,6 +202,149 @@ def ties_merge(plan: Plan, lambd: np.ndarray, weights: Sequence[float], frequenc
         _ties_kernel(plan.ptrs, lambd.astype(np.float32), np.asarray(weights, dtype=np.float32), frequency,
                      Plan.pointers([out[k] for k in plan.keys]), plan.piece_key, plan.piece_start, plan.piece_stop,
                      plan.block)
+
+
+# -- weighted sums in float64, and MaTU's sign agreement ------------------------------------------
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath={"contract"})
+def _add_scaled_kernel(ptrs, w, acc_ptrs, piece_key, piece_start, piece_stop, block):
+    """acc += w·x, x widened to float64 entry by entry: torch's acc.add_(x.double(), alpha=w)
+    without the float64 copy of x. "contract" lets LLVM fuse the multiply-add into one FMA, as
+    torch's vectorized CPU kernel computes it (vec::fmadd), so both round once."""
+    for b in prange(block.size - 1):
+        for p in range(block[b], block[b + 1]):
+            k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
+            x = numba.carray(_void_ptr(ptrs[0, k]), (s1,), np.float32)
+            acc = numba.carray(_void_ptr(acc_ptrs[k]), (s1,), np.float64)
+            for j in range(s0, s1):
+                acc[j] += w * np.float64(x[j])
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath={"contract"})
+def _weighted_mean_kernel(ptrs, weights, total, out_ptrs, piece_key, piece_start, piece_stop, block):
+    """out = float32(Σ_t w_t·x_t / total), the sum in float64 over the tasks in order with the same
+    FMA per term as `_add_scaled_kernel`, so it equals adding the tasks one by one, bit for bit; but
+    the float64 sums live in an L1-sized chunk, so each input is read once and the mean written once."""
+    n_tasks = ptrs.shape[0]
+    for b in prange(block.size - 1):
+        acc = np.empty(SUB, np.float64)
+        for p in range(block[b], block[b + 1]):
+            k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
+            out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
+            for s in range(s0, s1, SUB):
+                m = min(SUB, s1 - s)
+                acc[:m] = 0.0
+                for t in range(n_tasks):
+                    a, w = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:], weights[t]
+                    for j in range(m):
+                        acc[j] += w * np.float64(a[j])
+                o = out[s:]
+                for j in range(m):
+                    o[j] = np.float32(acc[j] / total)
+
+
+def weighted_mean(plan: Plan, weights: Sequence[float], total: float, out: Mapping[str, torch.Tensor]) -> None:
+    """out[key] = float32(Σ_t w_t·x_t[key] / total) over the plan's task vectors, in one pass."""
+    with torch_threads():
+        _weighted_mean_kernel(plan.ptrs, np.asarray(weights, dtype=np.float64), float(total),
+                              Plan.pointers([out[k] for k in plan.keys]), plan.piece_key, plan.piece_start,
+                              plan.piece_stop, plan.block)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _divide_kernel(acc_ptrs, total, out_ptrs, piece_key, piece_start, piece_stop, block):
+    """out = float32(acc / total), rounded to nearest as torch's .to(float32) rounds."""
+    for b in prange(block.size - 1):
+        for p in range(block[b], block[b + 1]):
+            k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
+            acc = numba.carray(_void_ptr(acc_ptrs[k]), (s1,), np.float64)
+            out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
+            for j in range(s0, s1):
+                out[j] = np.float32(acc[j] / total)
+
+
+def add_scaled(plan: Plan, w: float, acc: Mapping[str, torch.Tensor]) -> None:
+    """acc[key] += w·x[key] in float64 for the one task vector of `plan` (float32), in place."""
+    with torch_threads():
+        _add_scaled_kernel(plan.ptrs, float(w), Plan.pointers([acc[k] for k in plan.keys]), plan.piece_key,
+                           plan.piece_start, plan.piece_stop, plan.block)
+
+
+def divide(plan: Plan, acc: Mapping[str, torch.Tensor], total: float, out: Mapping[str, torch.Tensor]) -> None:
+    """out[key] = float32(acc[key] / total) over the keys of `plan` (flat tensors)."""
+    with torch_threads():
+        _divide_kernel(Plan.pointers([acc[k] for k in plan.keys]), float(total), Plan.pointers([out[k] for k in plan.keys]),
+                       plan.piece_key, plan.piece_start, plan.piece_stop, plan.block)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _agreement_kernel(ptrs, rho, out_ptrs, piece_key, piece_start, piece_stop, block):
+    """α = |Σ_t sgn(τ_t)| / N (the count is a small integer: exact in float32), and the soft mask
+    1 where α ≥ rho, else α."""
+    n_tasks = ptrs.shape[0]
+    for b in prange(block.size - 1):
+        count = np.empty(SUB, np.float32)
+        for p in range(block[b], block[b + 1]):
+            k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
+            out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
+            for s in range(s0, s1, SUB):
+                m = min(SUB, s1 - s)
+                count[:m] = 0
+                for t in range(n_tasks):
+                    a = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:]
+                    for j in range(m):
+                        count[j] += _sign(a[j])
+                o = out[s:]
+                for j in range(m):
+                    alpha = abs(count[j]) / np.float32(n_tasks)
+                    o[j] = np.float32(1.0) if alpha >= rho else alpha
+
+
+def agreement(plan: Plan, rho: float, out: Mapping[str, torch.Tensor]) -> None:
+    """MaTU's soft agreement mask of the plan's task vectors into `out` (flat float32 per key)."""
+    with torch_threads():
+        _agreement_kernel(plan.ptrs, np.float32(rho), Plan.pointers([out[k] for k in plan.keys]), plan.piece_key,
+                          plan.piece_start, plan.piece_stop, plan.block)
+
+
+# -- DARE: the dropped, rescaled entries, summed or written -------------------------------------------
+
+
+@numba.njit(inline="always")
+def _dropped(x, keep, density):
+    """(x·keep)/density in float32, the two operations torch's random_prune performs."""
+    return (x * keep) / density
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath={"contract"})
+def _add_dropped_kernel(acc, x, keep, density, w):
+    """acc += w·(x·keep)/density, the multiply-add fused as torch's vectorized add_(…, alpha=w) does."""
+    for b in prange((acc.size + BLOCK - 1) // BLOCK):
+        for j in range(b * BLOCK, min(acc.size, (b + 1) * BLOCK)):
+            acc[j] += w * _dropped(x[j], keep[j], density)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _drop_kernel(x, keep, density, out):
+    for b in prange((out.size + BLOCK - 1) // BLOCK):
+        for j in range(b * BLOCK, min(out.size, (b + 1) * BLOCK)):
+            out[j] = _dropped(x[j], keep[j], density)
+
+
+def add_dropped(acc: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, density: float, w: float) -> None:
+    """acc += w·(x ⊙ keep)/density over flat float32 tensors (acc in place), in one pass: DARE's drop,
+    rescale and weighted sum without the two temporaries of the torch path."""
+    with torch_threads():
+        _add_dropped_kernel(acc.numpy(), x.numpy(), keep.numpy(), np.float32(density), np.float32(w))
+
+
+def drop(x: torch.Tensor, keep: torch.Tensor, density: float) -> torch.Tensor:
+    """(x ⊙ keep)/density of flat float32 tensors, as a new tensor, in one pass."""
+    out = torch.empty_like(x)
+    with torch_threads():
+        _drop_kernel(x.numpy(), keep.numpy(), np.float32(density), out.numpy())
+    return out
 
 
 # -- unify: sign, largest agreeing magnitude, masks, rescaler sums --------------------------------

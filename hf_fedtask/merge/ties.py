@@ -177,10 +177,18 @@ def sign_similarity(vectors: Sequence[TaskVector]) -> torch.Tensor:
     return 0.5 * (gram.to(layout.dtype) / layout.numel + 1.0)
 
 
-def agreement_mask(vectors: Sequence[TaskVector], rho: float = 0.4) -> TaskVector:
+def agreement_mask(vectors: Sequence[TaskVector], rho: float = 0.4, backend: str = "auto") -> TaskVector:
     """MaTU Eq. 3 (from Gradient Masked Averaging): α[j] = |mean_n sgn(τ_n[j])|; the soft mask is 1
-    where α ≥ ρ and α elsewhere, so disagreeing entries are scaled down, not dropped."""
+    where α ≥ ρ and α elsewhere, so disagreeing entries are scaled down, not dropped. `backend`:
+    "numba" (`kernels.agreement`: one read of each vector, no per-task sign tensors; float32),
+    "torch" (the reference) or "auto"; both give the same mask bit for bit."""
     check_compatible(vectors, [1.0] * len(vectors))
+    layout = Layout(vectors)
+    if kernels.use_kernels(backend, layout):
+        flats = [layout.flat_views(tv) for tv in vectors]
+        out = layout.empty_flat()
+        kernels.agreement(kernels.Plan(layout, flats), rho, out)
+        return TaskVector(layout.unflatten(out))
     out = {}
     for key in vectors[0]:
         alpha = sum(tv[key].sign() for tv in vectors).abs() / len(vectors)

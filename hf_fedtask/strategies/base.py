@@ -226,7 +226,7 @@ def average_heads(state: GlobalState, updates: Iterable[ClientUpdate], server_lr
     heads = {}
     for task, holders in updates_by_task(updates).items():
         key = head_name(task)
-        mean = weighted_average((u.vectors[key] for u in holders), (u.num_samples[task] for u in holders))
+        mean = weighted_average([u.vectors[key] for u in holders], (u.num_samples[task] for u in holders))
         heads[key] = state.vectors[key] + server_lr * mean
     return heads
 

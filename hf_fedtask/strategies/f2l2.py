@@ -220,7 +220,7 @@ class F2L2(Strategy):
             vectors = {gradient_name(u.client_id): u.vectors["gradient"] for u in updates}
             samples = {str(u.client_id): u.total_samples for u in updates}
             return state.next(vectors, phase=DONE, gradient_samples=samples)
-        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
         vectors = {SHARED: state.vectors[SHARED] + mean, **average_heads(state, updates)}
         last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
         return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)

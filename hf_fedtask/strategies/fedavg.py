@@ -79,7 +79,7 @@ class FedAvg(Strategy):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         c = self.config
         updates = negate_forgotten(updates, c.forget_tasks or (), c.forget_clients or ())
-        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
         vectors = {SHARED: state.vectors[SHARED] + c.server_lr * mean, **average_heads(state, updates, c.server_lr)}
         if c.track_task_vectors:
             vectors.update(accumulate_task_vectors(state, updates, c.server_lr))

@@ -98,7 +98,7 @@ class FedPer(Strategy):
         return TaskVector({**{k: merged[k] for k in job.origin}, **head})
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
-        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
         global_part, personal_init = self._split(state, state.vectors[SHARED])
         return state.next({SHARED: TaskVector({**(global_part + self.config.server_lr * mean), **personal_init})})
 
@@ -112,7 +112,7 @@ class FedPer(Strategy):
         trained = [stores[c] for c in state.holders(task) if head_name(task) in stores.get(c, {})]
         if not trained:
             return TaskVector({**global_part, **personal_init, **state.vectors[head_name(task)]})
-        personal = weighted_average((s[PERSONAL] for s in trained), [1.0] * len(trained))
-        head = weighted_average((s[head_name(task)] for s in trained), [1.0] * len(trained))
+        personal = weighted_average([s[PERSONAL] for s in trained], [1.0] * len(trained))
+        head = weighted_average([s[head_name(task)] for s in trained], [1.0] * len(trained))
         merged = {**global_part, **personal}
         return TaskVector({**{k: merged[k] for k in state.vectors[SHARED]}, **head})

@@ -208,11 +208,11 @@ class FedYolo(Strategy):
         over all sampled clients."""
         means = {}
         if SHARED in updates[0].vectors:
-            means[SHARED] = weighted_average((u.vectors[SHARED] for u in updates), map(self._weight, updates))
+            means[SHARED] = weighted_average([u.vectors[SHARED] for u in updates], map(self._weight, updates))
         for task, holders in updates_by_task(updates).items():
             for name in (module_name(task), head_name(task)):
                 if name in holders[0].vectors:
-                    means[name] = weighted_average((u.vectors[name] for u in holders),
+                    means[name] = weighted_average([u.vectors[name] for u in holders],
                                                    (self._weight(u, task) for u in holders))
         return means
 

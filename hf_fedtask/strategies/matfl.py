@@ -70,12 +70,12 @@ class MaTFL(Strategy):
         vectors = {}
         for i, u in enumerate(updates):
             group = torch.argsort(similarity[i], descending=True, stable=True)[: self.config.group_size].tolist()
-            mean = weighted_average((updates[j].vectors[SHARED] for j in group), (updates[j].total_samples for j in group))
+            mean = weighted_average([updates[j].vectors[SHARED] for j in group], (updates[j].total_samples for j in group))
             vectors[model_name(u.client_id)] = state.vectors[model_name(u.client_id)] + self.config.server_lr * mean
         vectors.update(average_heads(state, updates, self.config.server_lr))
         return state.next(vectors)
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         holders = state.holders(task)
-        shared = weighted_average((state.vectors[model_name(c)] for c in holders), [1.0] * len(holders))
+        shared = weighted_average([state.vectors[model_name(c)] for c in holders], [1.0] * len(holders))
         return TaskVector({**shared, **state.vectors[head_name(task)]})

@@ -99,7 +99,7 @@ class Scaffold(Strategy):
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         eta, allocation = self.config.server_lr, state.allocation
-        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
         vectors = {SHARED: state.vectors[SHARED] + eta * mean, **average_heads(state, updates, eta)}
         share = len(updates) / len(allocation)  # |S| / N
         vectors[control_name(SHARED)] = state.vectors[control_name(SHARED)] + share * plain_mean(

@@ -338,10 +338,10 @@ class TCT(Strategy):
             vectors = {}
             for task, holders in updates_by_task(updates).items():
                 key = linear_name(task)
-                mean = weighted_average((u.vectors[key] for u in holders), (u.num_samples[task] for u in holders))
+                mean = weighted_average([u.vectors[key] for u in holders], (u.num_samples[task] for u in holders))
                 vectors[key] = state.vectors[key] + mean
             return state.next(vectors, stage2_rounds=state.scalars.get("stage2_rounds", 0) + 1)
-        mean = weighted_average((u.vectors[SHARED] for u in updates), (u.total_samples for u in updates))
+        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
         vectors = {SHARED: state.vectors[SHARED] + mean, **average_heads(state, updates)}
         return state.next(vectors, phase=NORMALIZE if state.round + 1 >= self.config.stage1_rounds else STAGE1)
 
