@@ -17,8 +17,7 @@ Methods, each called on the same inputs:
                  then trim + elect + disjoint mean in one pass)
   ties_select    the threshold selection alone (where ties' time goes: the rest is the merge pass)
   ties_model     ties with scope="model": one top-k over each whole task vector (TIES as its paper
-                 states it), so the selection runs on populations of d entries, where the sampled
-                 bracket replaces the radix selection
+                 states it), so the selection runs on populations of d entries
   model_select   that selection alone (sampled bracket, radix fallback)
   model_select_radix   the radix selection on the same populations, in parallel the same way; its
                  values are checked equal to model_select's
@@ -44,11 +43,6 @@ Methods, each called on the same inputs:
                  of each input, then add_); mean and mean_stream are checked equal to it bit for bit
   agreement      hf_fedtask.merge.agreement_mask (MaTU's soft sign-agreement mask, rho 0.4), fused
   agreement_torch  the same with backend="torch" (one sign tensor per task); checked equal bit for bit
-  dare_linear    hf_fedtask.merge.dare_linear (density 0.2, seed 0): torch draws the masks (peft's
-                 random stream), one fused pass drops, rescales and adds each task
-  dare_linear_torch  the torch path (two temporaries per task and key); checked equal bit for bit
-  dare_ties      hf_fedtask.merge.dare_ties: the same draws, then the fused TIES election and mean
-  dare_ties_torch  the torch path; checked equal bit for bit
 
 Ratios, each named by what is divided by what (time = best wall time, mem = peak extra memory):
   ties_time/floor_time                          cost over the floor (goal ≤ 4)
@@ -63,8 +57,8 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   unify_mem/stacked_unify_mem                   streaming unify's peak extra memory over stacked's
   mean_time/floor_time, mean_stream_time/floor_time, agreement_time/floor_time   the other fused
                                                 passes, in floors
-  mean_torch_time/mean_time, mean_torch_time/mean_stream_time, agreement_torch_time/agreement_time,
-  dare_linear_torch_time/dare_linear_time, dare_ties_torch_time/dare_ties_time   fused over torch
+  mean_torch_time/mean_time, mean_torch_time/mean_stream_time, agreement_torch_time/agreement_time
+                                                the fused passes' speed-up over their torch paths
 (the issue set no goal for unify against a stacked unify: those two rows are reported without one).
 
 Time: wall clock, the best of --repeat calls. Peak extra memory: the peak resident set size during
@@ -99,7 +93,7 @@ import torch
 from peft.utils import merge_utils as peft_merge
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import agreement_mask, dare_linear, dare_ties, kernels, ties, unify, weighted_average
+from hf_fedtask.merge import agreement_mask, kernels, ties, unify, weighted_average
 from hf_fedtask.merge.streaming import Layout, chunk_len
 from hf_fedtask.merge.ties import _select_all
 
@@ -127,8 +121,6 @@ GOALS = {
     "mean_torch_time/mean_time": None,
     "mean_torch_time/mean_stream_time": None,
     "agreement_torch_time/agreement_time": None,
-    "dare_linear_torch_time/dare_linear_time": None,
-    "dare_ties_torch_time/dare_ties_time": None,
 }
 
 
@@ -321,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ties(vectors[:2], weights[:2], args.density)  # compile the kernels (cached on disk) outside the timings
     unify(vectors[:2])
     weighted_average(vectors[:2], weights[:2]), weighted_average(iter(vectors[:2]), weights[:2])
-    agreement_mask(vectors[:2]), dare_linear(vectors[:2], weights[:2], args.density)
+    agreement_mask(vectors[:2])
     radix_select_all(vectors[:2], args.density)
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
@@ -344,10 +336,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "mean_torch": lambda: weighted_average(iter(vectors), weights, backend="torch"),
         "agreement": lambda: agreement_mask(vectors, 0.4),
         "agreement_torch": lambda: agreement_mask(vectors, 0.4, backend="torch"),
-        "dare_linear": lambda: dare_linear(vectors, weights, args.density),
-        "dare_linear_torch": lambda: dare_linear(vectors, weights, args.density, backend="torch"),
-        "dare_ties": lambda: dare_ties(vectors, weights, args.density),
-        "dare_ties_torch": lambda: dare_ties(vectors, weights, args.density, backend="torch"),
     }
     results, outputs = {}, {}
     for name, fn in runs.items():
@@ -363,8 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not np.array_equal(np.array(sampled, dtype=np.float32), outputs["model_select_radix"].view(np.float32)):
         raise SystemExit("the sampled and radix selections disagree: the comparison is void")
     rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
-    for fused, reference in (("mean", "mean_torch"), ("mean_stream", "mean_torch"), ("agreement", "agreement_torch"),
-                             ("dare_linear", "dare_linear_torch"), ("dare_ties", "dare_ties_torch")):
+    for fused, reference in (("mean", "mean_torch"), ("mean_stream", "mean_torch"), ("agreement", "agreement_torch")):
         if not all(torch.equal(outputs[fused][k].view(torch.int32), outputs[reference][k].contiguous().view(torch.int32))
                    for k in vectors[0]):
             raise SystemExit(f"{fused} and {reference} disagree: the comparison is void")
@@ -376,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"max |ties - peft_ties| = {ties_diff:.3g}; ties == ties_torch and unify == unify_torch (vector, masks)")
     print(f"unify == stacked_unify: unified vector and all {args.n} masks identical, "
           f"max relative rescaler difference {rescaler_diff:.3g}")
-    print("mean, mean_stream == mean_torch; agreement == agreement_torch; dare_linear, dare_ties == their torch paths (bit for bit)")
+    print("mean, mean_stream == mean_torch; agreement == agreement_torch (bit for bit)")
 
     time_of = {name: seconds for name, (seconds, _) in results.items()}
     mem_of = {name: mem for name, (_, mem) in results.items()}
@@ -398,8 +385,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "mean_torch_time/mean_time": time_of["mean_torch"] / time_of["mean"],
         "mean_torch_time/mean_stream_time": time_of["mean_torch"] / time_of["mean_stream"],
         "agreement_torch_time/agreement_time": time_of["agreement_torch"] / time_of["agreement"],
-        "dare_linear_torch_time/dare_linear_time": time_of["dare_linear_torch"] / time_of["dare_linear"],
-        "dare_ties_torch_time/dare_ties_time": time_of["dare_ties_torch"] / time_of["dare_ties"],
     }
     print(f"\n{'':<6}{'ratio':<44}{'value':>8}  goal")
     for name, value in ratios.items():

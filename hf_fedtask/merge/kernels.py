@@ -1,26 +1,28 @@
-"""Fused merge kernels: TIES, unify and the top-k magnitude threshold in one compiled pass each.
+"""Fused merge kernels: TIES, unify, weighted means, MaTU's sign agreement and the top-k magnitude
+threshold, each in one compiled pass.
 
-The torch path of `ties` and `unify` (`streaming`) reads every input float from memory once, but
-then runs a dozen elementwise torch ops over each cache-sized chunk, and each op costs about as much
-as the read itself. These kernels do all of an entry's work at once, over all N tasks, while the
-N values are in the CPU cache, and split the flat index space over threads. They are compiled with
-numba (no C of our own), read the task tensors in place through their data pointers (no gather
-copy), and perform the same float32 operations in the same order as the torch path, so `ties`'
-merged vector and `unify`'s vector and masks are bit for bit the torch path's (except that where
-unify's elected sign is 0 the torch path may write -0.0 and the kernel +0.0); only unify's rescaler
-sums are accumulated in another order (vectorized float32 partial sums per SUB entries, added up in
-float64, where the torch path sums float32 per cache-sized chunk), which moves a rescaler by at most
-a few float32 ulps. The torch path stays as the reference (tests compare
-both on random inputs of odd sizes) and is used for dtypes other than float32.
+The torch paths (`streaming`, and plain torch ops elsewhere) read every input float from memory once
+or more, then run a dozen elementwise torch ops, and each op costs about as much as the read itself.
+These kernels do all of an entry's work at once, over all N tasks, while the N values are in the CPU
+cache, and split the flat index space over threads. They are compiled with numba (no C of our own;
+one movemask is spelled in LLVM IR, `_packbits32`), read the task tensors in place through their
+data pointers (no gather copy), and perform the same float operations in the same order as the
+torch path, so results are bit for bit the torch path's: `ties`' merged vector, `unify`'s vector and
+masks (except that where unify's elected sign is 0 the torch path may write -0.0 and the kernel
++0.0), weighted means (float64 sums with torch's fused multiply-add) and the agreement mask. Only unify's rescaler sums are accumulated in another
+order (vectorized float32 partial sums per SUB entries, added up in float64, where the torch path
+sums float32 per cache-sized chunk), which moves a rescaler by at most a few float32 ulps. The torch
+paths stay as the reference (tests compare both on random inputs of odd sizes) and are used for
+dtypes other than float32.
 
-The threshold selection (`kth_largest_abs`) needs no sort. A population of a million entries or
-more is read about once: a strided sample brackets the k-th largest |x|, and one pass counts the
-entries above the bracket (a vectorized compare-and-count) and collects the ~1%
-inside it from the 8-entry groups that hold any; the exact value is resolved among those. Smaller
-populations, and a bracket that misses, take the radix selection: one pass histograms the high 12
-bits of |x| (monotone in |x| for floats), a second collects the one bin holding the k-th largest,
-and two more histogram levels over that bin give the exact value. Populations (one per task, or per
-task and tensor) run in parallel.
+The threshold selection (`kth_largest_abs`) needs no sort. A population of 2^16 entries or more is
+read about once: a sample of 8-entry runs brackets the k-th largest |x|, and one pass counts the
+entries above the bracket (a vectorized compare-and-count) and collects the ~1-5% inside it from
+the 8-entry groups that hold any, while they are in L1; the exact value is resolved among those.
+Smaller populations, and a bracket that misses, take the radix selection: one pass histograms the
+high 12 bits of |x| (monotone in |x| for floats), a second collects the one bin holding the k-th
+largest, and two more histogram levels over that bin give the exact value. Populations (one per
+task, or per task and tensor) run in parallel.
 """
 
 from __future__ import annotations
@@ -309,45 +311,6 @@ def agreement(plan: Plan, rho: float, out: Mapping[str, torch.Tensor]) -> None:
                           plan.piece_start, plan.piece_stop, plan.block)
 
 
-# -- DARE: the dropped, rescaled entries, summed or written -------------------------------------------
-
-
-@numba.njit(inline="always")
-def _dropped(x, keep, density):
-    """(x·keep)/density in float32, the two operations torch's random_prune performs."""
-    return (x * keep) / density
-
-
-@numba.njit(parallel=True, nogil=True, cache=True, fastmath={"contract"})
-def _add_dropped_kernel(acc, x, keep, density, w):
-    """acc += w·(x·keep)/density, the multiply-add fused as torch's vectorized add_(…, alpha=w) does."""
-    for b in prange((acc.size + BLOCK - 1) // BLOCK):
-        for j in range(b * BLOCK, min(acc.size, (b + 1) * BLOCK)):
-            acc[j] += w * _dropped(x[j], keep[j], density)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def _drop_kernel(x, keep, density, out):
-    for b in prange((out.size + BLOCK - 1) // BLOCK):
-        for j in range(b * BLOCK, min(out.size, (b + 1) * BLOCK)):
-            out[j] = _dropped(x[j], keep[j], density)
-
-
-def add_dropped(acc: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, density: float, w: float) -> None:
-    """acc += w·(x ⊙ keep)/density over flat float32 tensors (acc in place), in one pass: DARE's drop,
-    rescale and weighted sum without the two temporaries of the torch path."""
-    with torch_threads():
-        _add_dropped_kernel(acc.numpy(), x.numpy(), keep.numpy(), np.float32(density), np.float32(w))
-
-
-def drop(x: torch.Tensor, keep: torch.Tensor, density: float) -> torch.Tensor:
-    """(x ⊙ keep)/density of flat float32 tensors, as a new tensor, in one pass."""
-    out = torch.empty_like(x)
-    with torch_threads():
-        _drop_kernel(x.numpy(), keep.numpy(), np.float32(density), out.numpy())
-    return out
-
-
 # -- unify: sign, largest agreeing magnitude, masks, rescaler sums --------------------------------
 
 
@@ -360,6 +323,13 @@ def _unify_kernel(ptrs, out_ptrs, mask_ptrs, sums, piece_key, piece_start, piece
         # flags[t, lead + j]: entry j agrees with task t; lead aligns bytes to the flat space, and the
         # bytes around the m written ones stay 0 for the packing
         flags = np.zeros((n_tasks, SUB + 16), np.uint8)
+        last = block[b + 1] - 1  # the block's mask bytes are its own (it starts at a multiple of 8): zero them here
+        first_byte = piece_flat[block[b]] // 8
+        stop_byte = (piece_flat[last] + piece_stop[last] - piece_start[last] + 7) // 8
+        for t in range(n_tasks):
+            bits = numba.carray(_void_ptr(mask_ptrs[t]), (stop_byte,), np.uint8)
+            for i in range(first_byte, stop_byte):  # a loop: numba drops a slice store into a temporary view
+                bits[i] = 0
         for p in range(block[b], block[b + 1]):
             k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
             out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
@@ -452,8 +422,8 @@ def _pack_bits(bits, flags, n_bytes):
 
 def unify_pass(plan: Plan, out: Mapping[str, torch.Tensor], masks: Sequence[torch.Tensor]) -> np.ndarray:
     """One fused pass of unify: writes τ into `out` (flat float32 per key) and the bits of each
-    task's mask into `masks` (zeroed uint8, packbits layout); returns the rescaler sums per key,
-    float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
+    task's mask into `masks` (uint8 of packed_size bytes, packbits layout; need not be zeroed);
+    returns the rescaler sums per key, float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
     n_tasks = plan.ptrs.shape[0]
     per_piece = np.zeros((plan.piece_key.size, 2, n_tasks), dtype=np.float64)
     with torch_threads():
