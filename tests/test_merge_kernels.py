@@ -62,25 +62,6 @@ def test_fused_unify_is_the_torch_path(quantized, rescaler):
     np.testing.assert_allclose(fused.rescalers, reference.rescalers, rtol=1e-6)
 
 
-def test_unify_pass_zeroes_the_masks_it_is_given():
-    """unify hands the kernel uninitialized mask memory: every byte must come out as the packed mask,
-    whatever was there (here all ones), on a layout whose pieces straddle bytes."""
-    from hf_fedtask.merge.bitmask import packed_size
-    from hf_fedtask.merge.streaming import Layout
-
-    vectors = _vectors(5, seed=8)
-    layout = Layout(vectors)
-    plan = kernels.Plan(layout, [layout.flat_views(tv) for tv in vectors])
-    results = []
-    for fill in (0, 255):
-        masks = [torch.full((packed_size(layout.numel),), fill, dtype=torch.uint8) for _ in vectors]
-        kernels.unify_pass(plan, layout.empty_flat(), masks)
-        results.append(masks)
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-    reference = unify(vectors, backend="torch")
-    assert all(torch.equal(a, b) for a, b in zip(results[1], reference.masks))
-
-
 def test_kernels_on_a_lora_layout_of_many_small_tensors():
     g = torch.Generator().manual_seed(5)
     shapes = {f"layers.{i}.{m}.lora_{ab}.weight": (8, 48) if ab == "A" else (48 + 16 * (m == "up"), 8)

@@ -323,13 +323,6 @@ def _unify_kernel(ptrs, out_ptrs, mask_ptrs, sums, piece_key, piece_start, piece
         # flags[t, lead + j]: entry j agrees with task t; lead aligns bytes to the flat space, and the
         # bytes around the m written ones stay 0 for the packing
         flags = np.zeros((n_tasks, SUB + 16), np.uint8)
-        last = block[b + 1] - 1  # the block's mask bytes are its own (it starts at a multiple of 8): zero them here
-        first_byte = piece_flat[block[b]] // 8
-        stop_byte = (piece_flat[last] + piece_stop[last] - piece_start[last] + 7) // 8
-        for t in range(n_tasks):
-            bits = numba.carray(_void_ptr(mask_ptrs[t]), (stop_byte,), np.uint8)
-            for i in range(first_byte, stop_byte):  # a loop: numba drops a slice store into a temporary view
-                bits[i] = 0
         for p in range(block[b], block[b + 1]):
             k, s0, s1 = piece_key[p], piece_start[p], piece_stop[p]
             out = numba.carray(_void_ptr(out_ptrs[k]), (s1,), np.float32)
@@ -422,8 +415,8 @@ def _pack_bits(bits, flags, n_bytes):
 
 def unify_pass(plan: Plan, out: Mapping[str, torch.Tensor], masks: Sequence[torch.Tensor]) -> np.ndarray:
     """One fused pass of unify: writes τ into `out` (flat float32 per key) and the bits of each
-    task's mask into `masks` (uint8 of packed_size bytes, packbits layout; need not be zeroed);
-    returns the rescaler sums per key, float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
+    task's mask into `masks` (zeroed uint8, packbits layout); returns the rescaler sums per key,
+    float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
     n_tasks = plan.ptrs.shape[0]
     per_piece = np.zeros((plan.piece_key.size, 2, n_tasks), dtype=np.float64)
     with torch_threads():
