@@ -19,14 +19,15 @@ def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], ba
     one pass that reads each vector once; any other iterable (say, a generator that reads files)
     is summed as it streams, so memory is O(d) however many vectors come. `backend`: "numba" (the
     fused `kernels`: no float64 copy of any input; float32 only), "torch" (the reference) or
-    "auto" (numba for float32 inputs); all give the same result bit for bit. Raises ValueError on no
-    inputs, non-positive total weight, or keys, shapes or dtypes that differ from the first vector's."""
+    "auto" (numba for float32 inputs, torch for the others); all give the same result bit for bit.
+    Raises ValueError on no inputs, non-positive total weight, or keys or shapes that differ from the
+    first vector's."""
     if isinstance(vectors, Sequence):
         weights = list(weights)
         if len(weights) != len(vectors):
             raise ValueError(f"{len(weights)} weights for {len(vectors)} task vectors")
         if vectors:
-            layout = Layout(vectors[:1])
+            layout = Layout(vectors)  # its dtype promotes every vector's: float32 only if all are
             if kernels.use_kernels(backend, layout):
                 return _mean_in_one_pass(vectors, weights, layout)
     return _running_mean(vectors, weights, backend)
@@ -54,7 +55,7 @@ def _running_mean(vectors: Iterable[TaskVector], weights: Iterable[float], backe
             acc = {k: torch.zeros(n, dtype=torch.float64) for k, n in layout.numels.items()}
         _check_like(tv, layout)
         flat = layout.flat_views(tv)
-        if fused:  # no float64 copy of the input
+        if fused and kernels.use_kernels(backend, Layout([tv])):  # no float64 copy of the input
             plan = kernels.Plan(layout, [flat]) if plan is None else plan.rebind([flat])
             kernels.add_scaled(plan, float(w), acc)
         else:
@@ -81,13 +82,11 @@ def _total(weights: list[float]) -> float:
 
 
 def _check_like(tv: TaskVector, layout: Layout) -> None:
-    """Raise ValueError unless `tv` has the layout's keys, shapes and dtypes (the fused paths read
-    raw memory: a mismatch must never reach them)."""
+    """Raise ValueError unless `tv` has the layout's keys and shapes (the fused paths read raw
+    memory: a mismatch must never reach them). Dtypes may differ: the sums are float64."""
     if tv.keys() != layout.shapes.keys():
         missing = sorted(set(layout.shapes) ^ set(tv))
         raise ValueError(f"task vectors disagree on key {missing[0]!r}")
     for k, t in tv.items():
         if t.shape != layout.shapes[k]:
             raise ValueError(f"task vectors disagree on the shape of {k!r}: {tuple(t.shape)} and {tuple(layout.shapes[k])}")
-        if t.dtype != layout.dtypes[k]:
-            raise ValueError(f"task vectors disagree on the dtype of {k!r}: {t.dtype} and {layout.dtypes[k]}")
