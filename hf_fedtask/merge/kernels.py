@@ -17,7 +17,7 @@ dtypes other than float32.
 
 The threshold selection (`kth_largest_abs`) needs no sort. A population of 2^16 entries or more is
 read about once: a sample of 8-entry runs brackets the k-th largest |x|, and one pass counts the
-entries above the bracket (a vectorized compare-and-count) and collects the ~1-5% inside it from
+entries above the bracket (a vectorized compare-and-count) and collects the 1-10% inside it from
 the 8-entry groups that hold any, while they are in L1; the exact value is resolved among those.
 Smaller populations, and a bracket that misses, take the radix selection: one pass histograms the
 high 12 bits of |x| (monotone in |x| for floats), a second collects the one bin holding the k-th
