@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = [0.5 + t / args.n for t in range(args.n)]
     ties(vectors[:2], weights[:2], args.density)  # compile the kernels (cached on disk) outside the timings
     unify(vectors[:2])
-    weighted_average(vectors[:2], weights[:2]), weighted_average(iter(vectors[:2]), weights[:2])
+    weighted_average(vectors[:2], weights[:2])
+    weighted_average(iter(vectors[:2]), weights[:2])
     agreement_mask(vectors[:2])
     radix_select_all(vectors[:2], args.density)
     layout = Layout(vectors)

@@ -10,6 +10,7 @@ import torch
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import kernels
 from hf_fedtask.merge.streaming import Layout
+from hf_fedtask.merge.ties import check_compatible
 
 
 def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], backend: str = "auto") -> TaskVector:
@@ -24,9 +25,8 @@ def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], ba
     first vector's."""
     if isinstance(vectors, Sequence):
         weights = list(weights)
-        if len(weights) != len(vectors):
-            raise ValueError(f"{len(weights)} weights for {len(vectors)} task vectors")
         if vectors:
+            check_compatible(vectors, weights)
             layout = Layout(vectors)  # its dtype promotes every vector's: float32 only if all are
             if kernels.use_kernels(backend, layout):
                 return _mean_in_one_pass(vectors, weights, layout)
@@ -34,8 +34,6 @@ def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], ba
 
 
 def _mean_in_one_pass(vectors: Sequence[TaskVector], weights: list[float], layout: Layout) -> TaskVector:
-    for tv in vectors:
-        _check_like(tv, layout)
     total = _total(weights)
     out = layout.empty_flat()
     kernels.weighted_mean(kernels.Plan(layout, [layout.flat_views(tv) for tv in vectors]), weights, total, out)
@@ -53,7 +51,8 @@ def _running_mean(vectors: Iterable[TaskVector], weights: Iterable[float], backe
             layout = Layout([tv])
             fused = kernels.use_kernels(backend, layout)
             acc = {k: torch.zeros(n, dtype=torch.float64) for k, n in layout.numels.items()}
-        _check_like(tv, layout)
+            template = {k: torch.empty(shape, device="meta") for k, shape in layout.shapes.items()}  # holds no data
+        check_compatible([template, tv], [1.0, 1.0])  # the fused path reads raw memory: a mismatch must not reach it
         flat = layout.flat_views(tv)
         if fused and kernels.use_kernels(backend, Layout([tv])):  # no float64 copy of the input
             plan = kernels.Plan(layout, [flat]) if plan is None else plan.rebind([flat])
@@ -79,14 +78,3 @@ def _total(weights: list[float]) -> float:
     if total <= 0:
         raise ValueError(f"total weight must be positive, got {total}")
     return total
-
-
-def _check_like(tv: TaskVector, layout: Layout) -> None:
-    """Raise ValueError unless `tv` has the layout's keys and shapes (the fused paths read raw
-    memory: a mismatch must never reach them). Dtypes may differ: the sums are float64."""
-    if tv.keys() != layout.shapes.keys():
-        missing = sorted(set(layout.shapes) ^ set(tv))
-        raise ValueError(f"task vectors disagree on key {missing[0]!r}")
-    for k, t in tv.items():
-        if t.shape != layout.shapes[k]:
-            raise ValueError(f"task vectors disagree on the shape of {k!r}: {tuple(t.shape)} and {tuple(layout.shapes[k])}")
