@@ -208,12 +208,14 @@ def _population(x, parts=3):
 
 
 @pytest.mark.parametrize("case", ["random", "sample_misses", "heavy_ties"])
-def test_sampled_selection_agrees_with_radix_and_numpy(case):
-    """The sampled-bracket selection (populations of _SAMPLED_FROM entries or more) against the radix
-    selection and numpy: on random data with zeros and ties, on data whose strided sample is all
-    zeros (the bracket misses: the radix fallback), and with 60% of the entries tied (the bracket
-    overflows)."""
-    n = max(kernels._SAMPLED_FROM, 1 << 20) + 12_345
+@pytest.mark.parametrize("size", ["counted", "one_pass"])
+def test_sampled_selection_agrees_with_radix_and_numpy(case, size):
+    """The sampled-bracket selection (populations of _SAMPLED_FROM entries or more; under
+    _COUNTED_BELOW the bracket is first narrowed by counting at edges) against the radix selection
+    and numpy: on random data with zeros and ties, on data whose strided sample is all zeros (the
+    bracket misses: the radix fallback), and with 60% of the entries tied (the bracket overflows)."""
+    n = (kernels._SAMPLED_FROM if size == "counted" else max(kernels._COUNTED_BELOW, kernels._SAMPLED_FROM)) + 12_345
+    assert (n < kernels._COUNTED_BELOW) == (size == "counted")
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, generator=g)
     if case == "random":
@@ -240,3 +242,20 @@ def test_sampled_selection_agrees_with_radix_and_numpy(case):
         assert (bits, greater, equal) == kernels._radix_select(ptrs, lens, 0, len(pieces), k)
     (value, tied, _), = kernels.kth_largest_abs([pieces], [n // 5])  # the public entry takes this path
     assert value == ordered[n // 5 - 1]
+
+
+def test_counted_bracket_is_narrow_and_exact():
+    """The counted bracket of a small population holds the k-th largest and few entries besides (so the
+    fast path is what runs, not the radix fallback), and its count of entries inside is exact."""
+    n = kernels._SAMPLED_FROM + 999
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    pieces, ptrs, lens = _population(x)
+    magnitude = np.abs(x.numpy())
+    for k in (n // 100, n // 5, n // 2):
+        sample = kernels._strided_sample(ptrs, lens, 0, len(pieces), n)
+        lo, hi, inside = kernels._counted_bracket(ptrs, lens, 0, len(pieces), k, sample)
+        lo_v, hi_v = np.array([lo, hi], dtype=np.uint32).view(np.float32)
+        v = np.sort(magnitude)[::-1][k - 1]
+        assert lo_v <= v <= hi_v
+        assert inside == np.count_nonzero((magnitude >= lo_v) & (magnitude <= hi_v))
+        assert 0 < inside < 0.04 * n
