@@ -62,6 +62,17 @@ def test_fused_unify_is_the_torch_path(quantized, rescaler):
     np.testing.assert_allclose(fused.rescalers, reference.rescalers, rtol=1e-6)
 
 
+@pytest.mark.parametrize("n_tasks", [1, 2, 3, 4, 5, 6, 9])
+def test_fused_unify_for_every_count_of_tasks(n_tasks):
+    """The kernel sums 4 tasks per sweep and takes 2 per agreement sweep: every remainder of both."""
+    vectors = _vectors(n_tasks, seed=40 + n_tasks, quantized=n_tasks % 2 == 0)
+    fused, reference = unify(vectors, backend="numba"), unify(vectors, backend="torch")
+    for key in vectors[0]:
+        assert torch.equal(fused.vector[key], reference.vector[key]), key
+    assert all(torch.equal(m, r) for m, r in zip(fused.masks, reference.masks))
+    np.testing.assert_allclose(fused.rescalers, reference.rescalers, rtol=1e-6)
+
+
 def test_kernels_on_a_lora_layout_of_many_small_tensors():
     g = torch.Generator().manual_seed(5)
     shapes = {f"layers.{i}.{m}.lora_{ab}.weight": (8, 48) if ab == "A" else (48 + 16 * (m == "up"), 8)
