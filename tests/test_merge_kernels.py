@@ -63,9 +63,16 @@ def test_fused_unify_is_the_torch_path(quantized, rescaler):
 
 
 @pytest.mark.parametrize("n_tasks", [1, 2, 3, 4, 5, 6, 9])
-def test_fused_unify_for_every_count_of_tasks(n_tasks):
-    """The kernel sums 4 tasks per sweep and takes 2 per agreement sweep: every remainder of both."""
+def test_fused_kernels_for_every_count_of_tasks(n_tasks):
+    """The kernels sweep 2 or 4 tasks at once (ties' vote and disjoint mean 2, unify's sum 4 and its
+    agreement 2), the first sweep assigning: every remainder of both, bit for bit."""
     vectors = _vectors(n_tasks, seed=40 + n_tasks, quantized=n_tasks % 2 == 0)
+    for sign in (1, -1):  # all weights negative: entries trimmed in every task merge to -0.0
+        weights = [sign * (0.5 + 0.25 * t) for t in range(n_tasks)]
+        for method in ("total", "frequency"):
+            fused = ties(vectors, weights, 0.4, method, backend="numba")
+            reference = ties(vectors, weights, 0.4, method, backend="torch")
+            assert all(torch.equal(_bits(fused[k]), _bits(reference[k])) for k in vectors[0]), (sign, method)
     fused, reference = unify(vectors, backend="numba"), unify(vectors, backend="torch")
     for key in vectors[0]:
         assert torch.equal(fused.vector[key], reference.vector[key]), key
