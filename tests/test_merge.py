@@ -278,3 +278,15 @@ def test_merges_reject_mismatched_shapes():
     a, b = TaskVector({"w": torch.zeros(2, 3)}), TaskVector({"w": torch.zeros(3, 2)})
     with pytest.raises(ValueError, match="shape of 'w'"):
         ties([a, b], [1.0, 1.0], 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_next_float_below_a_threshold_is_torch_nextafter(dtype):
+    from hf_fedtask.merge.ties import _below
+
+    values = torch.rand(200, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype) * 10
+    values = torch.cat([values, torch.tensor([1e-40, 1.0, 65504.0], dtype=torch.float64).to(dtype)])
+    values = values[values > 0]
+    for v in values:
+        want = torch.nextafter(v, torch.tensor(0.0, dtype=dtype)).item()
+        assert _below(v.item(), dtype) == want, (dtype, v.item())
