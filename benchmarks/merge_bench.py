@@ -53,6 +53,12 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   ties_torch_time/ties_time, unify_torch_time/unify_time   the fused kernels over the torch path
   peft_ties_time/ties_time                      speed-up of our ties over peft's ties (goal ≥ 10)
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
+  output_mem/peft_ties_mem                      the merged vector's own bytes (d float32) over peft's peak:
+                                                the least ties_mem/peft_ties_mem any merge that returns
+                                                its result in memory can reach (0.26 on the lora layout,
+                                                where peft stacks one small parameter at a time)
+  ties_work_mem/peft_ties_work_mem              the same ratio beyond the output: peak extra memory less
+                                                the d float32 of the result, ours over peft's
   stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify
   unify_mem/stacked_unify_mem                   streaming unify's peak extra memory over stacked's
   mean_time/floor_time, mean_stream_time/floor_time, agreement_time/floor_time   the other fused
@@ -113,6 +119,8 @@ GOALS = {
     "unify_torch_time/unify_time": None,
     "peft_ties_time/ties_time": (10.0, True),
     "ties_mem/peft_ties_mem": (0.2, False),
+    "output_mem/peft_ties_mem": None,
+    "ties_work_mem/peft_ties_work_mem": None,
     "stacked_unify_time/unify_time": None,
     "unify_mem/stacked_unify_mem": None,
     "mean_time/floor_time": None,
@@ -366,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"max relative rescaler difference {rescaler_diff:.3g}")
     print("mean, mean_stream == mean_torch; agreement == agreement_torch (bit for bit)")
 
+    output_bytes = args.d * 4  # the merged vector: d float32
     time_of = {name: seconds for name, (seconds, _) in results.items()}
     mem_of = {name: mem for name, (_, mem) in results.items()}
     ratios = {
@@ -378,6 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "unify_torch_time/unify_time": time_of["unify_torch"] / time_of["unify"],
         "peft_ties_time/ties_time": time_of["peft_ties"] / time_of["ties"],
         "ties_mem/peft_ties_mem": mem_of["ties"] / mem_of["peft_ties"],
+        "output_mem/peft_ties_mem": output_bytes / mem_of["peft_ties"],
+        "ties_work_mem/peft_ties_work_mem": max(mem_of["ties"] - output_bytes, PAGE)
+        / max(mem_of["peft_ties"] - output_bytes, PAGE),
         "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],
         "unify_mem/stacked_unify_mem": mem_of["unify"] / mem_of["stacked_unify"],
         "mean_time/floor_time": time_of["mean"] / time_of["floor"],

@@ -15,7 +15,8 @@ RATIOS = {"ties_time/floor_time", "unify_time/floor_time", "peft_ties_time/ties_
           "unify_torch_time/unify_time", "model_select_radix_time/model_select_time",
           "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem", "mean_time/floor_time",
           "mean_stream_time/floor_time", "agreement_time/floor_time", "mean_torch_time/mean_time",
-          "mean_torch_time/mean_stream_time", "agreement_torch_time/agreement_time"}
+          "mean_torch_time/mean_stream_time", "agreement_torch_time/agreement_time",
+          "output_mem/peft_ties_mem", "ties_work_mem/peft_ties_work_mem"}
 
 
 @pytest.fixture(scope="module")
