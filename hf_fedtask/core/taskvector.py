@@ -22,6 +22,7 @@ neither offers arithmetic over PEFT state dicts, typed header metadata, nor temp
 from __future__ import annotations
 
 import collections.abc
+from collections.abc import ItemsView, KeysView, ValuesView
 import enum
 import hashlib
 import json
@@ -89,6 +90,20 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+    # The dict's own views: Mapping's defaults call __getitem__ once per key in Python, which a merge
+    # of thousands of LoRA tensors feels (read-only all the same: a dict view cannot be assigned to)
+    def keys(self) -> KeysView[str]:
+        return self._tensors.keys()
+
+    def items(self) -> ItemsView[str, torch.Tensor]:
+        return self._tensors.items()
+
+    def values(self) -> ValuesView[torch.Tensor]:
+        return self._tensors.values()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
 
     def __repr__(self) -> str:
         return f"TaskVector({len(self)} tensors, {self.numel()} parameters)"

@@ -191,7 +191,7 @@ def _ties_kernel(ptrs, lambd, weights, frequency, out_ptrs, piece_key, piece_sta
 
 
 # Sweeps of 2 tasks at once: each load and store of the running vote, count and sum serves two tasks
-# (measured against one task per sweep in one process: see the commit that brought them). The first
+# (the merge pass took 0.138 s against 0.164 s with one task per sweep, N=30, d=10M, 1 thread). The first
 # sweep assigns where the later ones add, so every sum is taken in task order from the first task's
 # value, as the torch path takes it: results are unchanged bit for bit, the sign of a zero included.
 

@@ -33,13 +33,14 @@ def check_compatible(vectors: Sequence[TaskVector], weights: Sequence[float]) ->
     if len(weights) != len(vectors):
         raise ValueError(f"{len(weights)} weights for {len(vectors)} task vectors")
     first = vectors[0]
+    shapes = {key: tensor.shape for key, tensor in first.items()}
     for tv in vectors[1:]:
         if tv.keys() != first.keys():
             raise ValueError(f"task vectors disagree on key {min(set(tv) ^ set(first))!r}")
         for key, tensor in tv.items():
-            if tensor.shape != first[key].shape:
+            if tensor.shape != shapes[key]:
                 raise ValueError(f"task vectors disagree on the shape of {key!r}: "
-                                 f"{tuple(tensor.shape)} and {tuple(first[key].shape)}")
+                                 f"{tuple(tensor.shape)} and {tuple(shapes[key])}")
 
 
 def task_arithmetic(vectors: Sequence[TaskVector], weights: Sequence[float]) -> TaskVector:
