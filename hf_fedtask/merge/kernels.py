@@ -19,10 +19,15 @@ The threshold selection (`kth_largest_abs`) needs no sort. A population of 2^16 
 read about once: a sample of 8-entry runs brackets the k-th largest |x|, and one pass counts the
 entries above the bracket (a vectorized compare-and-count) and collects the 1-10% inside it from
 the 8-entry groups that hold any, while they are in L1; the exact value is resolved among those.
-Smaller populations, and a bracket that misses, take the radix selection: one pass histograms the
-high 12 bits of |x| (monotone in |x| for floats), a second collects the one bin holding the k-th
-largest, and two more histogram levels over that bin give the exact value. Populations (one per
-task, or per task and tensor) run in parallel.
+Under 2^20 entries (a LoRA tensor), where the sample is small and its bracket wide, one counting pass
+at 8 edges inside the bracket first narrows it, and the collection (a second read, from cache) keeps
+the 1-2% between two edges. Smaller populations, and a bracket that misses, take the radix
+selection: one pass histograms the high 12 bits of |x| (monotone in |x| for floats), a second
+collects the one bin holding the k-th largest, and two more histogram levels over that bin give the
+exact value. Populations (one per task, or per task and tensor) run in parallel.
+
+The TIES and unify passes sweep 2 or 4 tasks at once over each cache-sized piece, so that one load
+and store of a running sum or maximum serves several tasks, in task order (results unchanged).
 """
 
 from __future__ import annotations
