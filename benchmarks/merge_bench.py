@@ -55,8 +55,9 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
   output_mem/peft_ties_mem                      the merged vector's own bytes (d float32) over peft's peak:
                                                 the least ties_mem/peft_ties_mem any merge that returns
-                                                its result in memory can reach (0.26 on the lora layout,
-                                                where peft stacks one small parameter at a time)
+                                                its result in memory can reach (0.12-0.26 on the lora
+                                                layout, where peft stacks one small parameter at a time
+                                                and its peak moves from run to run)
   ties_work_mem/peft_ties_work_mem              the same ratio beyond the output: peak extra memory less
                                                 the d float32 of the result, ours over peft's
   stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify

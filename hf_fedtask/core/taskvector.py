@@ -22,7 +22,6 @@ neither offers arithmetic over PEFT state dicts, typed header metadata, nor temp
 from __future__ import annotations
 
 import collections.abc
-from collections.abc import ItemsView, KeysView, ValuesView
 import enum
 import hashlib
 import json
@@ -31,6 +30,7 @@ import numbers
 import os
 import secrets
 import struct
+from collections.abc import ItemsView, KeysView, ValuesView
 from typing import Any, Callable, Iterator, Mapping
 
 import safetensors

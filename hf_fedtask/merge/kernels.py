@@ -297,7 +297,7 @@ def _weighted_mean_kernel(ptrs, weights, total, out_ptrs, piece_key, piece_start
                 m = min(SUB, s1 - s)
                 acc[:m] = 0.0
                 for t in range(n_tasks):
-                    a, w = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:], weights[t]
+                    a, w = _row(ptrs, t, k, s, m), weights[t]
                     for j in range(m):
                         acc[j] += w * np.float64(a[j])
                 o = out[s:]
@@ -353,7 +353,7 @@ def _agreement_kernel(ptrs, rho, out_ptrs, piece_key, piece_start, piece_stop, b
                 m = min(SUB, s1 - s)
                 count[:m] = 0
                 for t in range(n_tasks):
-                    a = numba.carray(_void_ptr(ptrs[t, k]), (s + m,), np.float32)[s:]
+                    a = _row(ptrs, t, k, s, m)
                     for j in range(m):
                         count[j] += _sign(a[j])
                 o = out[s:]
@@ -403,7 +403,8 @@ def _unify_kernel(ptrs, out_ptrs, mask_ptrs, sums, piece_key, piece_start, piece
                 lead = flat0 % 8
                 n_bytes = (lead + m + 7) // 8
                 t = 0
-                while t + 2 <= n_tasks:  # μ = max(0, max_t τ_t·σ), m_t = 1[τ_t·σ > 0] and Σ|τ_t|, 2 tasks per sweep
+                # μ = max(0, max_t τ_t·σ), m_t = 1[τ_t·σ > 0] and Σ|τ_t|, 2 tasks per sweep
+                while t + 2 <= n_tasks:
                     sums[p, 0, t], sums[p, 0, t + 1] = _agree2(
                         _row(ptrs, t, k, s, m), _row(ptrs, t + 1, k, s, m), sign, magnitude,
                         flags[t, lead:], flags[t + 1, lead:], m, sums[p, 0, t], sums[p, 0, t + 1])

@@ -333,7 +333,7 @@ _NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
 
 def _below(v: float, dtype: torch.dtype) -> float:
     """The largest value of `dtype` below the positive `v` (a value of that dtype). numpy where it has
-    the dtype: a torch scalar op costs ~30 µs, and a LoRA adapter trims thousands of populations."""
+    the dtype: torch's scalar ops cost tens of µs each, and a LoRA adapter trims thousands of populations."""
     if dtype in _NUMPY_FLOATS:
         kind = _NUMPY_FLOATS[dtype]
         return float(np.nextafter(kind(v), kind(0)))
