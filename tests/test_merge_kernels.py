@@ -12,6 +12,8 @@ import torch
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import agreement_mask, kernels, ties, unify, weighted_average
+from hf_fedtask.merge.bitmask import packed_size
+from hf_fedtask.merge.streaming import Layout
 from hf_fedtask.merge.ties import magnitude_prune
 
 SIZES = {"w": (13, 29), "b": (1,), "x": (1031,), "big": (70_001,), "t": (9, 7), "lone": (3,)}
@@ -78,6 +80,19 @@ def test_fused_kernels_for_every_count_of_tasks(n_tasks):
         assert torch.equal(fused.vector[key], reference.vector[key]), key
     assert all(torch.equal(m, r) for m, r in zip(fused.masks, reference.masks))
     np.testing.assert_allclose(fused.rescalers, reference.rescalers, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0x5A])
+def test_unify_pass_writes_every_mask_byte(fill):
+    """unify hands the kernel uninitialized masks: every byte must be written, the bytes that two
+    ranges share (a key or a sub-chunk ending inside a byte) merged, whatever the memory held."""
+    vectors = _vectors(5, seed=17)
+    layout = Layout(vectors)
+    plan = kernels.Plan(layout, [layout.flat_views(tv) for tv in vectors])
+    masks = [torch.full((packed_size(layout.numel),), fill, dtype=torch.uint8) for _ in vectors]
+    kernels.unify_pass(plan, layout.empty_flat(), masks)
+    reference = unify(vectors, backend="torch")
+    assert all(torch.equal(m, r) for m, r in zip(masks, reference.masks))
 
 
 def test_kernels_on_a_lora_layout_of_many_small_tensors():

@@ -419,7 +419,7 @@ def _unify_kernel(ptrs, out_ptrs, mask_ptrs, sums, piece_key, piece_start, piece
                     flags[t, lead + m: n_bytes * 8] = 0
                     sums[p, 1, t] += _sum_where(magnitude, flags[t, lead:], m)
                     bits = numba.carray(_void_ptr(mask_ptrs[t]), ((flat0 - lead) // 8 + n_bytes,), np.uint8)
-                    _pack_bits(bits[(flat0 - lead) // 8:], flags[t], n_bytes)
+                    _pack_bits(bits[(flat0 - lead) // 8:], flags[t], n_bytes, lead > 0)
 
 
 # The sweeps below take 2 or 4 tasks at once: each load and store of the running sum or maximum then
@@ -492,28 +492,47 @@ def _packbits32(typingctx, address):
     return types.uint64(types.intp), codegen
 
 
+@intrinsic
+def _store32(typingctx, address, word):
+    """Store the low 4 bytes of `word` at an integer address of any alignment (little-endian)."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        builder.store(builder.trunc(args[1], i32), builder.inttoptr(args[0], i32.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(types.intp, types.uint64), codegen
+
+
 @numba.njit(inline="always")
-def _pack_bits(bits, flags, n_bytes):
-    """OR 0/1 bytes `flags` into packbits bytes (the first flag is bit 7 of bits[0]): 32 flags at a
-    time by `_packbits32`, the rest 8 at a time by a multiply that gathers the low bit of each of 8
-    little-endian bytes into the top byte. Only bits[:n_bytes] are touched: the bytes after them may
-    belong to another thread's block."""
-    whole = n_bytes // 4 * 4
-    address = flags.ctypes.data
-    for i in range(0, whole, 4):
-        word = _packbits32(address + 8 * i)
-        bits[i] |= np.uint8(word & np.uint64(0xFF))
-        bits[i + 1] |= np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
-        bits[i + 2] |= np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
-        bits[i + 3] |= np.uint8(word >> np.uint64(24))
-    words = flags[: n_bytes * 8].view(np.uint64)
-    for i in range(whole, n_bytes):
-        bits[i] |= np.uint8((words[i] * np.uint64(0x8040201008040201)) >> np.uint64(56))
+def _packbits8(flags, i):
+    """The packbits byte of the 8 flag bytes flags[8i:8i+8] (each 0 or 1): a multiply gathers the
+    low bit of each little-endian byte into the top byte."""
+    return np.uint8((flags[8 * i: 8 * i + 8].view(np.uint64)[0] * np.uint64(0x8040201008040201)) >> np.uint64(56))
+
+
+@numba.njit(inline="always")
+def _pack_bits(bits, flags, n_bytes, merge_first):
+    """Write 0/1 bytes `flags` as packbits bytes (the first flag is bit 7 of bits[0]) to bits[:n_bytes],
+    32 flags at a time by `_packbits32` and one 4-byte store; only bits[0] is OR-ed in, and only
+    where `merge_first` (it holds the earlier bits of a range that ends inside that byte, and the
+    flags' own bits there are 0). Every byte is written, so the mask needs no zeroing beforehand."""
+    i = 0
+    if merge_first:
+        bits[0] |= _packbits8(flags, 0)
+        i = 1
+    address, out = flags.ctypes.data, bits.ctypes.data
+    while i + 4 <= n_bytes:
+        _store32(out + i, _packbits32(address + 8 * i))
+        i += 4
+    for i in range(i, n_bytes):
+        bits[i] = _packbits8(flags, i)
 
 
 def unify_pass(plan: Plan, out: Mapping[str, torch.Tensor], masks: Sequence[torch.Tensor]) -> np.ndarray:
     """One fused pass of unify: writes τ into `out` (flat float32 per key) and the bits of each
-    task's mask into `masks` (zeroed uint8, packbits layout); returns the rescaler sums per key,
+    task's mask into `masks` (uint8, packbits layout; each byte is written, so they may come
+    uninitialized); returns the rescaler sums per key,
     float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
     n_tasks = plan.ptrs.shape[0]
     per_piece = np.zeros((plan.piece_key.size, 2, n_tasks), dtype=np.float64)

@@ -66,7 +66,7 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
     flats = [layout.flat_views(tv) for tv in vectors]
     if kernels.use_kernels(backend, layout):
         unified = layout.empty_flat()
-        masks = [torch.zeros(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
+        masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
         sums = torch.from_numpy(kernels.unify_pass(kernels.Plan(layout, flats), unified, masks))
         return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     n_tasks, keys = len(vectors), list(layout.numels)
