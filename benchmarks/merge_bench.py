@@ -68,7 +68,12 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
                                                 the fused passes' speed-up over their torch paths
 (the issue set no goal for unify against a stacked unify: those two rows are reported without one).
 
-Time: wall clock, the best of --repeat calls. Peak extra memory: the peak resident set size during
+Time: wall clock, the best of --repeat calls. A method timed against the floor (ties, ties_select,
+ties_model, unify, mean, mean_stream, agreement) is called --paired-repeat times instead, each call
+right after a call of the floor, and its ratio divides its best time by the best of those floor
+calls: the box's memory speed drifts from minute to minute (the floor alone moved 0.08-0.17 s at 1
+thread within one session), and a floor timed a minute before would measure the drift, not the
+method. Peak extra memory: the peak resident set size during
 the call minus the resident set size just before it. tracemalloc does not see torch's allocations,
 so both come from the kernel: the peak (VmHWM) is reset by writing 5 to /proc/self/clear_refs before
 the call and read from /proc/self/status after it, which misses no short-lived peak; where that file
@@ -109,6 +114,7 @@ LORA_R = 16
 LORA_MODULES = (("q_proj", 4096, 4096), ("k_proj", 4096, 4096), ("v_proj", 4096, 4096), ("o_proj", 4096, 4096),
                 ("gate_proj", 4096, 11008), ("up_proj", 4096, 11008), ("down_proj", 11008, 4096))
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+FLOOR_PAIRED = ("ties", "ties_select", "ties_model", "unify", "mean", "mean_stream", "agreement")  # timed against the floor
 # ratio name -> (goal, True when the ratio must be at least the goal); None: reported without a goal
 GOALS = {
     "ties_time/floor_time": (4.0, False),
@@ -255,11 +261,17 @@ def _radix_all(ptrs, lens, population, ks, values):
         values[p] = kernels._radix_select(ptrs, lens, population[p], population[p + 1], ks[p])[0]
 
 
-def measure(fn, repeat: int) -> tuple[float, int, object]:
-    """(best seconds, smallest peak extra bytes, last result) over `repeat` calls of fn()."""
-    best_s, best_mem, result = math.inf, None, None
+def measure(fn, repeat: int, paired=None) -> tuple[float, int, object, float]:
+    """(best seconds, smallest peak extra bytes, last result, best seconds of `paired`) over `repeat`
+    calls of fn(), each right after a timed call of `paired()` where one is given (else inf)."""
+    best_s, best_mem, result, best_paired = math.inf, None, None, math.inf
     for _ in range(repeat):
         result = None
+        if paired is not None:
+            _release_freed_memory()
+            start = time.perf_counter()
+            paired()
+            best_paired = min(best_paired, time.perf_counter() - start)
         _release_freed_memory()
         if _reset_peak():
             base = _status_kib("VmRSS") * 1024
@@ -272,7 +284,7 @@ def measure(fn, repeat: int) -> tuple[float, int, object]:
         best_s = min(best_s, seconds)
         extra = max(extra, PAGE)
         best_mem = extra if best_mem is None else min(best_mem, extra)
-    return best_s, best_mem, result
+    return best_s, best_mem, result, best_paired
 
 
 def _sampled(fn) -> tuple[float, int, object]:
@@ -304,13 +316,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--d", type=int, default=10_000_000, help="entries per task vector")
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--repeat", type=int, default=2, help="calls per method; the best time and smallest peak count")
+    p.add_argument("--paired-repeat", type=int, default=5,
+                   help="calls of each method timed against the floor, each after a call of the floor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--layout", choices=("tensors8", "lora"), default="tensors8")
     p.add_argument("--quick", action="store_true", help="smoke run: N=4, d=200,000, best of 2 calls per method")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.d, args.repeat = 4, 200_000, 2
+        args.n, args.d, args.repeat, args.paired_repeat = 4, 200_000, 2, 2
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -347,9 +361,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "agreement": lambda: agreement_mask(vectors, 0.4),
         "agreement_torch": lambda: agreement_mask(vectors, 0.4, backend="torch"),
     }
-    results, outputs = {}, {}
+    results, outputs, floor_of = {}, {}, {}
     for name, fn in runs.items():
-        seconds, mem, outputs[name] = measure(fn, args.repeat)
+        paired = runs["floor"] if name in FLOOR_PAIRED else None
+        seconds, mem, outputs[name], floor_of[name] = measure(
+            fn, args.paired_repeat if paired else args.repeat, paired)
         results[name] = (seconds, mem)
     ties_diff = max(float((outputs["ties"][k] - outputs["peft_ties"][k]).abs().max()) for k in vectors[0])
     if not all(torch.equal(outputs["ties"][k], outputs["ties_torch"][k]) for k in vectors[0]):
@@ -367,9 +383,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             raise SystemExit(f"{fused} and {reference} disagree: the comparison is void")
     outputs.clear()
 
-    print(f"\n{'method':<19}{'time s':>10}{'peak extra MiB':>16}")
+    print(f"\n{'method':<19}{'time s':>10}{'peak extra MiB':>16}{'paired floor s':>16}")
     for name, (seconds, mem) in results.items():
-        print(f"{name:<19}{seconds:>10.3f}{mem / 2**20:>16.1f}")
+        paired = f"{floor_of[name]:>16.3f}" if name in FLOOR_PAIRED else ""
+        print(f"{name:<19}{seconds:>10.3f}{mem / 2**20:>16.1f}{paired}")
     print(f"max |ties - peft_ties| = {ties_diff:.3g}; ties == ties_torch and unify == unify_torch (vector, masks)")
     print(f"unify == stacked_unify: unified vector and all {args.n} masks identical, "
           f"max relative rescaler difference {rescaler_diff:.3g}")
@@ -379,10 +396,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     time_of = {name: seconds for name, (seconds, _) in results.items()}
     mem_of = {name: mem for name, (_, mem) in results.items()}
     ratios = {
-        "ties_time/floor_time": time_of["ties"] / time_of["floor"],
-        "unify_time/floor_time": time_of["unify"] / time_of["floor"],
-        "ties_select_time/floor_time": time_of["ties_select"] / time_of["floor"],
-        "ties_model_time/floor_time": time_of["ties_model"] / time_of["floor"],
+        "ties_time/floor_time": time_of["ties"] / floor_of["ties"],
+        "unify_time/floor_time": time_of["unify"] / floor_of["unify"],
+        "ties_select_time/floor_time": time_of["ties_select"] / floor_of["ties_select"],
+        "ties_model_time/floor_time": time_of["ties_model"] / floor_of["ties_model"],
         "model_select_radix_time/model_select_time": time_of["model_select_radix"] / time_of["model_select"],
         "ties_torch_time/ties_time": time_of["ties_torch"] / time_of["ties"],
         "unify_torch_time/unify_time": time_of["unify_torch"] / time_of["unify"],
@@ -393,9 +410,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         / max(mem_of["peft_ties"] - output_bytes, PAGE),
         "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],
         "unify_mem/stacked_unify_mem": mem_of["unify"] / mem_of["stacked_unify"],
-        "mean_time/floor_time": time_of["mean"] / time_of["floor"],
-        "mean_stream_time/floor_time": time_of["mean_stream"] / time_of["floor"],
-        "agreement_time/floor_time": time_of["agreement"] / time_of["floor"],
+        "mean_time/floor_time": time_of["mean"] / floor_of["mean"],
+        "mean_stream_time/floor_time": time_of["mean_stream"] / floor_of["mean_stream"],
+        "agreement_time/floor_time": time_of["agreement"] / floor_of["agreement"],
         "mean_torch_time/mean_time": time_of["mean_torch"] / time_of["mean"],
         "mean_torch_time/mean_stream_time": time_of["mean_torch"] / time_of["mean_stream"],
         "agreement_torch_time/agreement_time": time_of["agreement_torch"] / time_of["agreement"],
