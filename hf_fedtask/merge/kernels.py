@@ -531,9 +531,8 @@ def _pack_bits(bits, flags, n_bytes, merge_first):
 
 def unify_pass(plan: Plan, out: Mapping[str, torch.Tensor], masks: Sequence[torch.Tensor]) -> np.ndarray:
     """One fused pass of unify: writes τ into `out` (flat float32 per key) and the bits of each
-    task's mask into `masks` (uint8, packbits layout; each byte is written, so they may come
-    uninitialized); returns the rescaler sums per key,
-    float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
+    task's mask into `masks` (uint8, packbits layout; every byte is written, so they may come
+    uninitialized); returns the rescaler sums per key, float64 [2, N, keys]: Σ|τ_t| and Σ|m_t ⊙ τ|."""
     n_tasks = plan.ptrs.shape[0]
     per_piece = np.zeros((plan.piece_key.size, 2, n_tasks), dtype=np.float64)
     with torch_threads():
