@@ -64,3 +64,13 @@ def test_stacked_unify_is_unify(bench):
     ours, reference = unify(opposite), bench.stacked_unify(opposite)
     bench.check_unify_matches_stacked(ours, reference, 2)
     assert not reference[0].any() and not reference[1].any() and reference[2].tolist() == ours.rescalers == [0.0, 0.0]
+
+
+def test_measure_times_the_paired_floor_right_before_each_call(bench):
+    """Ratios against the floor divide by floors timed in alternation with the method."""
+    calls = []
+    seconds, _, result, floor_seconds = bench.measure(lambda: calls.append("method") or 7, 3,
+                                                      paired=lambda: calls.append("floor"))
+    assert calls == ["floor", "method"] * 3 and result == 7
+    assert 0 <= floor_seconds < math.inf and 0 <= seconds < math.inf
+    assert bench.measure(lambda: None, 2)[3] == math.inf  # nothing paired: no floor time
