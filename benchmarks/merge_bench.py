@@ -55,9 +55,9 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
   ties_mem/peft_ties_mem                        our ties' peak extra memory over peft's (goal ≤ 0.2)
   output_mem/peft_ties_mem                      the merged vector's own bytes (d float32) over peft's peak:
                                                 the least ties_mem/peft_ties_mem any merge that returns
-                                                its result in memory can reach (0.12-0.26 on the lora
-                                                layout, where peft stacks one small parameter at a time
-                                                and its peak moves from run to run)
+                                                its result in memory can reach (a large share on the
+                                                lora layout, where peft stacks one small parameter at a
+                                                time and its peak moves from run to run)
   ties_work_mem/peft_ties_work_mem              the same ratio beyond the output: peak extra memory less
                                                 the d float32 of the result, ours over peft's
   stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify
@@ -71,9 +71,8 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
 Time: wall clock, the best of --repeat calls. A method timed against the floor (ties, ties_select,
 ties_model, unify, mean, mean_stream, agreement) is called --paired-repeat times instead, each call
 right after a call of the floor, and its ratio divides its best time by the best of those floor
-calls: the box's memory speed drifts from minute to minute (the floor alone moved 0.08-0.17 s at 1
-thread within one session), and a floor timed a minute before would measure the drift, not the
-method. Peak extra memory: the peak resident set size during
+calls: the box's memory speed drifts from minute to minute, and a floor timed a minute before would
+measure the drift, not the method. Peak extra memory: the peak resident set size during
 the call minus the resident set size just before it. tracemalloc does not see torch's allocations,
 so both come from the kernel: the peak (VmHWM) is reset by writing 5 to /proc/self/clear_refs before
 the call and read from /proc/self/status after it, which misses no short-lived peak; where that file

@@ -64,15 +64,13 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
+    unified = layout.empty_flat()
+    masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]  # both paths write every byte
     if kernels.use_kernels(backend, layout):
-        unified = layout.empty_flat()
-        masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
         sums = torch.from_numpy(kernels.unify_pass(kernels.Plan(layout, flats), unified, masks))
         return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     n_tasks, keys = len(vectors), list(layout.numels)
     key_index = {k: j for j, k in enumerate(keys)}
-    unified = layout.empty_flat()
-    masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]
     mask_bytes = [m.numpy() for m in masks]
     sums = torch.zeros(2, n_tasks, len(keys), dtype=torch.float64)  # Σ|τ_t| and Σ|m_t ⊙ τ| per key
     size = chunk_len(n_tasks, layout.dtype.itemsize, layout.numel)
