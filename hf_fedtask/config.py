@@ -12,15 +12,18 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from hf_fedtask.core.fields import check_fields, field_type
+from hf_fedtask.core.fields import check_fields, field_type, option
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+from hf_fedtask.model.device import MIXED_PRECISIONS
 from hf_fedtask.model.output_space import OUTPUT_SPACES
 from hf_fedtask.strategies import (
     STRATEGIES,
@@ -30,6 +33,7 @@ from hf_fedtask.strategies import (
 )
 
 OPTIMIZERS = ("adamw_torch", "sgd")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass
@@ -50,6 +54,15 @@ class RunConfig:
     target_modules: list[str] | None = None
     num_virtual_tokens: int = 20
     max_length: int = 32
+    load_in_4bit: bool = option(False, "QLoRA: load the base model's linear layers in 4-bit NF4 through bitsandbytes "
+                                "(LoRA methods, CUDA); exports stay adapters over the unquantized base id")
+    load_in_8bit: bool = option(False, "load the base model's linear layers in 8-bit through bitsandbytes (LoRA methods, "
+                                "CUDA); exports stay adapters over the unquantized base id")
+    # where it runs
+    device: str = option("auto", "where the host model runs: auto (Accelerate's choice; under a multi-process launch "
+                         "this rank's GPU, else the CPU) | cpu | cuda | cuda:N")
+    mixed_precision: str = option("no", "mixed precision of local training and evaluation, through Accelerate; task "
+                                  "vectors, server state and aggregation stay fp32", choices=MIXED_PRECISIONS)
     # federation
     num_clients: int | None = None  # default: one client per task
     rounds: int = 3
@@ -90,7 +103,7 @@ class RunConfig:
 
     # fields that may change between a run and its resumption without making it a different run
     RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = ("output_dir", "rounds", "report_to", "export", "eval_batch_size",
-                                                             "eval_every", "save_payloads")
+                                                             "eval_every", "save_payloads", "device")
 
     def __post_init__(self):
         check_fields(self)
@@ -115,6 +128,10 @@ class RunConfig:
                               f"{self.backdoor_client}, {self.backdoor_target}, {self.backdoor_trigger}")
         if any(c < 0 for c in self.exclude_clients):
             raise ConfigError(f"config: exclude_clients must be client ids >= 0, got {self.exclude_clients}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"config: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ConfigError("config: load_in_4bit and load_in_8bit exclude each other: choose one")
         if self.max_grad_norm < 0:
             raise ConfigError(f"config: max_grad_norm must be >= 0, got {self.max_grad_norm}")
         typed = self.strategy_config  # validates the strategy and its options
@@ -251,7 +268,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of RunConfig keys; flags override it")
     for f in dataclasses.fields(RunConfig):
         if f.name != "strategy_options":
-            _add_flag(parser, RunConfig, f, None)
+            _add_flag(parser, RunConfig, f, f.metadata.get("help") if f.metadata else None)
     group = parser.add_argument_group("strategy options", "each is accepted only by the strategies that have it")
     for name, (cls, f) in _strategy_option_fields().items():
         owners = sorted(s for s, c in STRATEGIES.items() if name in option_defaults(c))
@@ -269,6 +286,9 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
         given = getattr(args, name, None)
         if given is not None:
             values[name] = given
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # `accelerate launch --mixed_precision`
+    if "mixed_precision" not in values and launcher in MIXED_PRECISIONS:
+        values["mixed_precision"] = launcher
     if "tasks" in values and values["tasks"] and "suite" not in values:
         values["suite"] = None
     return RunConfig.from_dict(values, source=getattr(args, "config", None) or "flags")

@@ -14,9 +14,14 @@ from hf_fedtask.model.host import PeftHost
 
 @torch.no_grad()
 def _predict_with(model, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray:
+    """Argmax of `model` on `data`'s batches, moved to the model's device and run in the training's
+    precision; the predictions come back to the CPU."""
     model.eval()
+    device = host.device
     loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
-    preds = [model(**{k: v for k, v in batch.items() if k != "labels"}).logits.argmax(-1) for batch in loader]
+    with host.autocast():
+        preds = [model(**{k: v.to(device) for k, v in batch.items() if k != "labels"}).logits.argmax(-1).cpu()
+                 for batch in loader]
     return torch.cat(preds).numpy()
 
 

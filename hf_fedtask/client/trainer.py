@@ -7,6 +7,7 @@ import gc
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from datasets import Dataset
@@ -31,6 +32,32 @@ class LocalTrainingArgs:
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     optim: str = "adamw_torch"
+    mixed_precision: str = "no"  # no | bf16 | fp16: Trainer's autocast; the parameters and task vectors stay fp32
+
+
+@dataclass
+class _HostDeviceArguments(TrainingArguments):
+    """`TrainingArguments` that train on the host model's device. For one process, transformers would
+    pick cuda:0 (and `DataParallel` over every visible GPU), while the shared host model may sit on
+    cuda:N or, under a multi-process launch, on this rank's GPU; batches must reach the model's device."""
+
+    host_device: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        # the run's setting, not `accelerate launch --mixed_precision` read from the environment
+        self.mixed_precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        device = TrainingArguments._setup_devices.func(self)  # Accelerate's state, as Trainer builds it
+        if self.host_device is None:
+            return device
+        device = torch.device(self.host_device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Accelerate's "cuda" (the current device) is then this one
+            self._n_gpu = 1
+        return device
 
 
 class _LearningRateSum(TrainerCallback):
@@ -88,7 +115,8 @@ class LocalTrainer:
 
     def _fit(self, model, data: Dataset, seed: int, objectives: Sequence[Objective]) -> tuple[TaskVector, dict]:
         a = self.args
-        targs = TrainingArguments(
+        device = self.host.device
+        targs = _HostDeviceArguments(
             output_dir=self._scratch.name,
             per_device_train_batch_size=a.batch_size,
             num_train_epochs=a.epochs,
@@ -102,7 +130,10 @@ class LocalTrainer:
             optim=a.optim,
             seed=seed,
             data_seed=seed,
-            use_cpu=not torch.cuda.is_available(),
+            use_cpu=device.type == "cpu",
+            host_device=None if device.type == "cpu" else str(device),
+            bf16=a.mixed_precision == "bf16",
+            fp16=a.mixed_precision == "fp16",
             report_to="none",
             save_strategy="no",
             logging_strategy="no",

@@ -24,9 +24,11 @@ from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
 from hf_fedtask.data.task import Task, TaskInfo
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, classifier_class, input_kind, resolve_base_model
+from hf_fedtask.model.device import resolve_device
 from hf_fedtask.model.host import PeftHost
 from hf_fedtask.model.output_space import OutputSpace
 from hf_fedtask.model.peft_methods import make_peft_config
+from hf_fedtask.model.quantization import quantization_config
 from hf_fedtask.strategies import Strategy, build_strategy
 
 
@@ -61,7 +63,11 @@ def build_host(config: RunConfig, shared_head: int = 0) -> PeftHost:
         modality=input_kind(base).modality,
         backbone=backbone_name(base) if config.peft_method == "full" else None,
     )
-    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length, shared_head=shared_head)
+    device = resolve_device(config.device)
+    quantization = quantization_config(config.load_in_4bit, config.load_in_8bit, peft_method=config.peft_method,
+                                       device=device, mixed_precision=config.mixed_precision)
+    return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length, shared_head=shared_head,
+                    device=device, mixed_precision=config.mixed_precision, quantization=quantization)
 
 
 def backbone_name(base: BaseModelRef) -> str:
@@ -84,6 +90,7 @@ def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             optim=config.optimizer,
             max_grad_norm=config.max_grad_norm,
+            mixed_precision=config.mixed_precision,
         ),
     )
 

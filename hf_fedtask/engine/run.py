@@ -34,11 +34,13 @@ from hf_fedtask.data.reference import shipped_reference
 from hf_fedtask.data.task import TaskInfo
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
+from hf_fedtask.engine.ranks import RankTransport, rank_store, release_ranks, serve
 from hf_fedtask.engine.server import Server, nonlinear_mean
 from hf_fedtask.engine.transport import InProcessTransport, Transport
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters
 from hf_fedtask.export.compact import storage_report
+from hf_fedtask.model.device import launch
 from hf_fedtask.report import evaluated, forgetting, forgotten_what, plot_metric_vs_round, plot_unlearning
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,40 @@ def run(
     """Run (or resume) a federated job described by `config` with `engine`; returns the results dict
     that is also written to `output_dir/results.json`. `warm_start`: a finished run whose final state
     (and history) this run continues from, unless `output_dir` has its own checkpoint to resume."""
+    here = launch()
+    if here.multi_process:
+        if engine is not in_process:
+            raise ConfigError(f"this process is rank {here.rank} of a {here.world_size}-process launch: only the in-process "
+                              "engine spreads its clients over ranks; start the Flower engines in one process")
+        rank_store()  # join the launch's store; from here on Trainers see a single process
+        if here.rank != 0:
+            return serve(config)  # this rank trains the clients rank 0 sends it; rank 0 writes the run folder
+        return _run_rank0(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=warm_start)
+    return _run(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=warm_start, engine=engine)
+
+
+def _run_rank0(config: RunConfig, **kwargs) -> dict:
+    """Rank 0 of a multi-process launch: the run with its clients over every rank (`RankTransport`);
+    the other ranks are released with the run's results, or with its error wherever it arose."""
+    transports = []
+
+    def ranks_engine(env: Environment) -> Transport:
+        transports.append(RankTransport(env))
+        return transports[-1]
+
+    try:
+        results = _run(config, engine=ranks_engine, **kwargs)
+    except BaseException as exc:
+        if transports:
+            transports[0].finish(error=exc)
+        else:
+            release_ranks(config, exc)
+        raise
+    transports[0].finish(results)
+    return results
+
+
+def _run(config: RunConfig, *, resume, overwrite, callbacks, warm_start, engine: Engine) -> dict:
     check_output_dir(config, resume=resume, overwrite=overwrite)
     with folder_lock(config.output_dir):  # one writer per run folder, released on any exit
         check_output_dir(config, resume=resume, overwrite=overwrite)  # again: another writer may have been first

@@ -198,16 +198,25 @@ class Server:
             if transport is None:
                 raise ConfigError(f"strategy {self.strategy.name!r} evaluates on its clients: give a transport")
             return self._evaluate_on_clients(state, transport)
+        names = [t.name for t in self.env.tasks]
+        if transport is not None and stores is None:  # e.g. the tasks shared over a launch's ranks
+            return transport.evaluate(self, state, names)
+        return self.evaluate_tasks(state, names, stores)
+
+    def evaluate_tasks(self, state: GlobalState, names: list[str], stores: dict | None = None) -> dict[str, dict]:
+        """`evaluate` of the server-evaluated tasks `names` (in that order)."""
         out = {}
-        for t in self.env.tasks:
+        for name in names:
+            t = self.env.task_by_name[name]
             out[t.name] = score(self.predict(state, t.name, self.env.test_data(t.name), stores), self.env.test_data(t.name),
                                 t.metric)
             if self.strategy.linearization_point(state, t.name) is not None:
                 preds = self.predict(state, t.name, self.env.test_data(t.name), stores, nonlinear=True)
                 out[t.name][f"{t.metric}_nonlinear"] = score(preds, self.env.test_data(t.name), t.metric)[t.metric]
         for task in self.env.backdoor_tasks:
-            preds = self.predict(state, task, self.env.backdoor_test_data(task), stores)
-            out[task][BACKDOOR_METRIC] = success_rate(preds, self.config.backdoor_target)
+            if task in out:
+                preds = self.predict(state, task, self.env.backdoor_test_data(task), stores)
+                out[task][BACKDOOR_METRIC] = success_rate(preds, self.config.backdoor_target)
         return out
 
     def evaluate_compact(self, state: GlobalState) -> dict[str, float]:

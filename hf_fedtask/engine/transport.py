@@ -36,6 +36,11 @@ class Transport(ABC):
         checkpointed with the server state), else None (they live with the clients)."""
         return None
 
+    def evaluate(self, server, state, names: list[str]) -> dict[str, dict]:
+        """The server's evaluation of tasks `names` (`Server.evaluate_tasks`): here, in this process; an
+        engine with several processes of its own may share the tasks among them."""
+        return server.evaluate_tasks(state, names)
+
     def close(self) -> None:
         """Release what the transport holds (connections, processes)."""
 

@@ -237,15 +237,22 @@ def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageIn
     return input_kind(ref).load(ref, max_length)
 
 
-def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str | None = None):
+def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str | None = None, *,
+                    quantization=None, device=None):
     """The modality's `AutoModelFor...Classification` with a fresh head of `num_labels` outputs (a
-    checkpoint's own head, e.g. ImageNet's 1,000 classes, is replaced)."""
+    checkpoint's own head, e.g. ImageNet's 1,000 classes, is replaced). `quantization`: a
+    `BitsAndBytesConfig` (`quantization_config`), the model then loaded onto `device` and prepared for
+    k-bit training by peft."""
     import transformers
     from transformers.utils import logging as hf_logging
 
     kwargs = {"num_labels": num_labels, "ignore_mismatched_sizes": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if quantization is not None:
+        import torch
+
+        kwargs.update(quantization_config=quantization, device_map={"": device}, dtype=torch.float32)
     auto_model = getattr(transformers, input_kind(ref).auto_model)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
@@ -254,4 +261,8 @@ def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str
     finally:
         hf_logging.set_verbosity(verbosity)
     model.config.problem_type = "single_label_classification"
+    if quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model

@@ -25,11 +25,9 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
+from hf_fedtask.model.device import autocast, check_mixed_precision, to_cpu
 from hf_fedtask.model.linearize import LinearizedModel, linearized
-
-HEAD_MODULES = frozenset({"classifier", "score"})
-"""Names of the classification head: what PEFT's SEQ_CLS task type adds to `modules_to_save` and what
-image models name. Other `modules_to_save` (e.g. the backbone for peft_method "full") are not head."""
+from hf_fedtask.model.quantization import HEAD_MODULES  # other `modules_to_save` (the backbone of "full") are not head
 
 
 class PeftHost:
@@ -40,7 +38,12 @@ class PeftHost:
     outputs belongs to the shared state instead and tasks have no head of their own.
 
     The model starts with PEFT's "default" adapter; `adapter(name)` switches to another named one
-    (same config, same saved keys), as FedYolo does with one adapter per task."""
+    (same config, same saved keys), as FedYolo does with one adapter per task.
+
+    The model lives on `device` (built on the CPU from the seed, then moved, so every device starts
+    from the same init); `state()` always returns CPU tensors. `mixed_precision` is the autocast
+    precision of training and of `autocast()`; `quantization` a transformers `BitsAndBytesConfig`
+    (QLoRA: the base loaded quantized onto `device`, the PEFT parameters in fp32)."""
 
     def __init__(
         self,
@@ -51,7 +54,13 @@ class PeftHost:
         max_length: int = 32,
         attn_implementation: str | None = None,
         shared_head: int = 0,
+        device: torch.device | str = "cpu",
+        mixed_precision: str = "no",
+        quantization=None,
     ):
+        device = torch.device(device)
+        check_mixed_precision(mixed_precision, device)
+        self.mixed_precision = mixed_precision
         self.base = base
         self.seed = seed
         self.shared_head = shared_head
@@ -62,9 +71,12 @@ class PeftHost:
                               f"make_peft_config(..., modality={self.inputs.modality!r})")
         torch.manual_seed(seed)  # the PEFT init (e.g. LoRA A) is the shared, seeded starting point
         try:
-            self.model = get_peft_model(load_classifier(base, 2, attn_implementation), peft_config)
+            classifier = load_classifier(base, 2, attn_implementation, quantization=quantization, device=device)
+            self.model = get_peft_model(classifier, peft_config)
         except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
             raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model ({str(e).splitlines()[0]})") from e
+        if quantization is None:
+            self.model.to(device)  # a quantized base was loaded onto the device; its PEFT layers follow it
         self._heads = [m for name, m in self.model.named_modules()
                        if isinstance(m, ModulesToSaveWrapper) and name.rpartition(".")[2] in HEAD_MODULES]
         if len(self._heads) != 1:
@@ -73,6 +85,15 @@ class PeftHost:
         self.head_keys = [k for k in keys if HEAD_MODULES & set(k.split("."))]
         self.shared_keys = [k for k in keys if k not in self.head_keys]
         self._keys = set(keys)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: every batch goes here."""
+        return next(self.model.parameters()).device
+
+    def autocast(self):
+        """The context evaluation runs the model in: autocast to the training's mixed precision."""
+        return autocast(self.device, self.mixed_precision)
 
     def classifier_config(self):
         """A copy of the classification model's transformers config, naming its class in
@@ -84,9 +105,9 @@ class PeftHost:
 
     # -- parameters as tensors -------------------------------------------------------------
     def state(self) -> TaskVector:
-        """A detached copy of every trainable parameter of the active adapter (shared modules and head)."""
+        """A detached CPU copy of every trainable parameter of the active adapter (shared modules and head)."""
         sd = get_peft_model_state_dict(self.model, adapter_name=self.model.active_adapter)
-        return TaskVector({k: v.detach().clone() for k, v in sd.items()})
+        return TaskVector({k: to_cpu(v) for k, v in sd.items()})
 
     def load_state(self, state: TaskVector) -> None:
         """Copy `state` (shared keys + head keys, saved naming) into the active adapter; resizes its

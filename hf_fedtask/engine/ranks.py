@@ -1,0 +1,231 @@
+"""The in-process engine over the processes of a multi-process launch: more hands, one federation.
+
+    torchrun --nproc_per_node 2 recipes/matu_30task.py            # CPU: two processes
+    accelerate launch --multi_gpu --num_processes 4 recipes/matu_30task.py   # one GPU each
+
+Every rank builds the same environment from the same config (same partition, seeded init, heads).
+Rank 0 runs the round loop: it samples, sends each rank its share of the round's clients, trains its
+own share, aggregates the replies in client order, evaluates (the tasks shared among the ranks) and
+is the one writer of the run folder. The other ranks only answer: they train the clients they are
+sent on their own device and return the replies. A client's result depends only on (state, data,
+seed), so the run equals the single-process run tensor for tensor at the same threads per process.
+
+Ranks talk through the launcher's key-value store (`torch.distributed.rendezvous("env://")`: the
+TCPStore torchrun and Accelerate start), in the same bytes the other engines move (safetensors
+blobs, JSON headers), never pickles; no collective process group is formed, so each rank's Trainer
+stays a plain single-process loop (`hf_fedtask.model.device.hide_launch_from_trainers`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from datetime import timedelta
+from itertools import count
+
+from hf_fedtask import errors
+from hf_fedtask.core.state import ClientStore, GlobalState
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import pack_vectors, unpack_vectors
+from hf_fedtask.engine.client import ClientRuntime
+from hf_fedtask.engine.environment import Environment
+from hf_fedtask.engine.messages import Instruction
+from hf_fedtask.engine.transport import InProcessTransport
+from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.model.device import Launch, hide_launch_from_trainers, launch
+
+WAIT = timedelta(days=30)  # a rank waits as long as rank 0 evaluates or exports; the launcher ends it if rank 0 dies
+_sessions = count()  # each run in this process (a recipe may run several) gets its own keys, in the same order on every rank
+_store = None
+
+
+def rank_store():
+    """This launch's key-value store (the launcher's TCPStore), joined once per process."""
+    global _store
+    if _store is None:
+        import torch.distributed as dist
+
+        here = launch()
+        _store, _, _ = next(dist.rendezvous("env://", rank=here.rank, world_size=here.world_size))
+        _store.set_timeout(WAIT)
+        hide_launch_from_trainers()
+    return _store
+
+
+# -- framing: a JSON header and blobs, in one bytes value -------------------------------------------
+def _frame(header: dict, blobs: list[bytes] = ()) -> bytes:
+    head = json.dumps({**header, "sizes": [len(b) for b in blobs]}).encode()
+    return b"".join([struct.pack("<Q", len(head)), head, *blobs])
+
+
+def _unframe(data: bytes) -> tuple[dict, list[bytes]]:
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + n])
+    blobs, at = [], 8 + n
+    for size in header.pop("sizes"):
+        blobs.append(data[at:at + size])
+        at += size
+    return header, blobs
+
+
+def _store_bytes(store: ClientStore) -> bytes:
+    return pack_vectors(store).to_bytes()
+
+
+def _store_of(data: bytes) -> ClientStore:
+    return unpack_vectors(TaskVector.from_bytes(data, source="client store"))
+
+
+def _state_blobs(state: GlobalState) -> tuple[dict, list[bytes]]:
+    return {"round": state.round, "scalars": state.scalars}, [pack_vectors(state.vectors).to_bytes()]
+
+
+def _error(exc: BaseException) -> dict:
+    """An exception as a header, re-raised on rank 0 as the same hf_fedtask error class."""
+    return {"error": str(exc), "error_class": type(exc).__name__}
+
+
+def _raise(header: dict, where: str) -> None:
+    if header.get("error") is not None:
+        cls = getattr(errors, header["error_class"], None)
+        if isinstance(cls, type) and issubclass(cls, FedTaskError):
+            raise cls(header["error"])
+        raise FedTaskError(f"{where}: {header['error_class']}: {header['error']}")
+
+
+def balance(sizes: dict, ranks: int) -> list[list]:
+    """Items (by `sizes`) in `ranks` shares of about equal total size: largest first onto the least
+    loaded rank (ties to the lower rank); each share keeps the items' given order."""
+    loads, shares = [0] * ranks, [[] for _ in range(ranks)]
+    for item in sorted(sizes, key=lambda i: -sizes[i]):
+        r = min(range(ranks), key=lambda k: (loads[k], k))
+        loads[r] += sizes[item] or 1
+        shares[r].append(item)
+    order = {item: i for i, item in enumerate(sizes)}
+    return [sorted(share, key=order.get) for share in shares]
+
+
+class RankTransport(InProcessTransport):
+    """Rank 0's transport: the round's instructions shared among the launch's ranks; the clients'
+    stores stay here (checkpointed with the server state) and travel with each instruction."""
+
+    name = "in-process (ranks)"
+
+    def __init__(self, env: Environment, here: Launch | None = None):
+        super().__init__(env)
+        self.here = here or launch()
+        self.store = rank_store()
+        self.session = next(_sessions)
+        self._seq = count()
+        self._closed = False
+
+    def _send(self, rank: int, seq: int, header: dict, blobs: list[bytes] = ()) -> None:
+        self.store.set(f"hf_fedtask/{self.session}/{seq}/to/{rank}", _frame(
+            {**header, "fingerprint": self.env.config.fingerprint()}, list(blobs)))
+
+    def _receive(self, rank: int, seq: int) -> tuple[dict, list[bytes]]:
+        key = f"hf_fedtask/{self.session}/{seq}/from/{rank}"
+        data = self.store.get(key)
+        self.store.delete_key(key)
+        return _unframe(data)
+
+    def _others(self) -> range:
+        return range(1, self.here.world_size)
+
+    def exchange(self, instructions: list[Instruction]) -> dict[int, bytes]:
+        sizes = {i: sum(len(d) for d in self.env.partition[ins.client_id].values()) for i, ins in enumerate(instructions)}
+        shares = balance(sizes, self.here.world_size)
+        seq = next(self._seq)
+        for rank in self._others():
+            items = [instructions[i] for i in shares[rank]]
+            blobs = [b for ins in items for b in (ins.payload, _store_bytes(self._stores.get(ins.client_id, {})))]
+            self._send(rank, seq, {"op": "exchange", "items": [
+                {"kind": ins.kind, "round": ins.round, "client_id": ins.client_id, "config": ins.config} for ins in items]},
+                blobs)
+        replies = super().exchange([instructions[i] for i in shares[0]])
+        for rank in self._others():
+            header, blobs = self._receive(rank, seq)
+            for i, item in enumerate(header["items"]):
+                _raise(item, f"client {item['client_id']} on rank {rank}")
+                replies[item["client_id"]] = blobs[2 * i]
+                self._stores[item["client_id"]] = _store_of(blobs[2 * i + 1])
+        return {ins.client_id: replies[ins.client_id] for ins in instructions if ins.client_id in replies}
+
+    def evaluate(self, server, state: GlobalState, names: list[str]) -> dict[str, dict]:
+        """The tasks shared among the ranks by test-split size; the metrics merged in task order."""
+        sizes = {name: len(self.env.task_by_name[name].dataset["test"]) for name in names}
+        shares = balance(sizes, self.here.world_size)
+        seq = next(self._seq)
+        header, blobs = _state_blobs(state)
+        for rank in self._others():
+            self._send(rank, seq, {"op": "evaluate", "tasks": shares[rank], **header}, blobs)
+        out = server.evaluate_tasks(state, shares[0])
+        for rank in self._others():
+            reply, _ = self._receive(rank, seq)
+            _raise(reply, f"evaluation on rank {rank}")
+            out.update(reply["metrics"])
+        return {name: out[name] for name in names}
+
+    def finish(self, results: dict | None = None, error: BaseException | None = None) -> None:
+        """Release the other ranks: they return `results` from their `run`, or raise `error`'s line
+        (the run calls it once it is over, whether it finished or failed; `close` sends nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        seq = next(self._seq)
+        for rank in self._others():
+            self._send(rank, seq, {"op": "end", "results": results, **(_error(error) if error else {})})
+
+
+def release_ranks(config, error: BaseException) -> None:
+    """Rank 0 failed before its transport existed (e.g. a refused output folder): end the other
+    ranks' session with the same error line."""
+    here = launch()
+    store, session = rank_store(), next(_sessions)
+    for rank in range(1, here.world_size):
+        store.set(f"hf_fedtask/{session}/0/to/{rank}", _frame({"op": "end", "results": None, **_error(error),
+                                                              "fingerprint": config.fingerprint()}))
+
+
+def serve(config) -> dict:
+    """A rank other than 0: answer rank 0's instructions for the run of `config` until it ends the
+    run; return its results (or raise its error)."""
+    here, store, session = launch(), rank_store(), next(_sessions)
+    env = server = None
+    for seq in count():
+        key = f"hf_fedtask/{session}/{seq}/to/{here.rank}"
+        data = store.get(key)
+        store.delete_key(key)
+        header, blobs = _unframe(data)
+        if header["fingerprint"] != config.fingerprint():
+            raise ConfigError(f"rank {here.rank} was started with another config than rank 0: every rank must run the "
+                              "same command")
+        if header["op"] == "end":
+            _raise(header, "rank 0")
+            return header["results"]
+        if env is None:
+            from hf_fedtask.engine.server import Server
+
+            env = Environment(config)
+            server = Server(env)
+        reply_key = f"hf_fedtask/{session}/{seq}/from/{here.rank}"
+        if header["op"] == "evaluate":
+            state = GlobalState(header["round"], unpack_vectors(TaskVector.from_bytes(blobs[0], source="state")),
+                                header["scalars"])
+            try:
+                store.set(reply_key, _frame({"metrics": server.evaluate_tasks(state, header["tasks"])}))
+            except Exception as exc:  # reported to rank 0, which ends the run with it
+                store.set(reply_key, _frame(_error(exc)))
+            continue
+        items, out = [], []
+        for i, item in enumerate(header["items"]):
+            ins = Instruction(item["kind"], item["round"], item["client_id"], blobs[2 * i], item["config"])
+            client_store = _store_of(blobs[2 * i + 1])
+            try:
+                reply = ClientRuntime(env, ins.client_id).handle(ins, client_store)
+                items.append({"client_id": ins.client_id, "error": None})
+                out += [reply, _store_bytes(client_store)]
+            except Exception as exc:
+                items.append({"client_id": ins.client_id, **_error(exc)})
+                out += [b"", b""]
+        store.set(reply_key, _frame({"items": items}, out))
