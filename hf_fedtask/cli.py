@@ -16,9 +16,12 @@ def _run(args) -> int:
     from hf_fedtask.engine.run import run
     from hf_fedtask.report import run_report
 
+    from hf_fedtask.model.device import launch
+
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)
-    print(run_report(config, results))
+    if launch().rank == 0:  # under a multi-process launch the other ranks only trained
+        print(run_report(config, results))
     return 0
 
 

@@ -40,7 +40,7 @@ from hf_fedtask.engine.transport import InProcessTransport, Transport
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import RunExport, export_adapters
 from hf_fedtask.export.compact import storage_report
-from hf_fedtask.model.device import launch
+from hf_fedtask.model.device import launch, peak_gpu_memory
 from hf_fedtask.report import evaluated, forgetting, forgotten_what, plot_metric_vs_round, plot_unlearning
 
 logger = logging.getLogger(__name__)
@@ -330,6 +330,9 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
         "base_model": env.host.base.model_id,
         "base_model_revision": env.host.base.revision,
         "peft_method": config.peft_method,
+        "device": str(env.host.device),
+        "processes": launch().world_size,
+        **({"peak_gpu_memory": gpu} if (gpu := peak_gpu_memory()) is not None else {}),
         "rounds": state.round,
         "num_clients": len(state.allocation),
         "allocation": {str(c): held for c, held in sorted(state.allocation.items())},

@@ -67,6 +67,10 @@ class Server:
             if t.modality != env.host.inputs.modality:
                 raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
                                   f"takes {env.host.inputs.modality}")
+        if self.config.mixed_precision != "no" and self.strategy.capabilities.linearized:
+            raise ConfigError(f"mixed_precision {self.config.mixed_precision}: strategy {self.strategy.name!r} trains a "
+                              "linearized model through forward-mode AD (torch.func.jvp), which autocast does not run; "
+                              "use --mixed-precision no")
         env.partition  # noqa: B018  (too few samples per client fails here)
         env.initial  # noqa: B018  (a strategy that cannot lay out its state fails here)
         if self.strategy.uses_secure_aggregation() and self.clients_per_round < 2:

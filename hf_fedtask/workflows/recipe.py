@@ -22,6 +22,7 @@ from hf_fedtask.config import (
     load_yaml,
 )
 from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.model.device import launch
 
 
 def recipe_parser(description: str, presets: dict[str, Path]) -> argparse.ArgumentParser:
@@ -36,9 +37,16 @@ def recipe_parser(description: str, presets: dict[str, Path]) -> argparse.Argume
     return parser
 
 
-def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, Path]) -> RunConfig:
-    """defaults < preset < --config < flags; also sets torch's threads (`set_threads`) and prints them."""
-    print(f"torch threads: {set_threads(args.threads)}", flush=True)
+def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, Path], ranks: bool = False) -> RunConfig:
+    """defaults < preset < --config < flags; also sets torch's threads (`set_threads`) and prints them.
+    `ranks`: the recipe is one `run`, which spreads its clients over a multi-process launch; the
+    recipes that chain several runs and read their folders run in one process."""
+    here = launch()
+    if here.multi_process and not ranks:
+        raise ConfigError(f"this recipe chains several runs and reads their folders, so it runs in one process (this is "
+                          f"rank {here.rank} of {here.world_size}); launch it without --nproc_per_node / --num_processes")
+    print(f"torch threads: {set_threads(args.threads)}" + (f" (rank {here.rank} of {here.world_size})"
+                                                           if here.multi_process else ""), flush=True)
     values = dict(defaults)
     if args.preset:
         path = presets[args.preset]
@@ -56,12 +64,13 @@ def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv:
     args = recipe_parser(description, presets).parse_args(argv)
     start = time.perf_counter()
     try:
-        config = recipe_config(args, defaults, presets)
+        config = recipe_config(args, defaults, presets, ranks=True)
         results = run(config, resume=args.resume, overwrite=args.overwrite)
-        print(run_report(config, results))
-        print(resource_report(time.perf_counter() - start))
-        if after is not None:
-            after(config, results)
+        if launch().rank == 0:  # under a multi-process launch, rank 0 reports (the others return its results)
+            print(run_report(config, results))
+            print(resource_report(time.perf_counter() - start))
+            if after is not None:
+                after(config, results)
     except FedTaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -93,6 +102,7 @@ def set_threads(requested: int | None) -> str:
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = max(1, cores // launch().local_world_size)  # the processes of a launch on this machine share its cores
     if requested is not None:
         if requested < 1:
             raise ConfigError(f"--threads must be at least 1, got {requested}")
@@ -108,11 +118,16 @@ def set_threads(requested: int | None) -> str:
 
 
 def resource_report(seconds: float) -> str:
-    """Wall time and this process's peak resident memory, as the README quotes them."""
+    """Wall time, this process's peak resident memory and, where CUDA was used, its peak GPU memory
+    (`torch.cuda.max_memory_allocated`), as the README quotes them."""
     import resource
 
+    from hf_fedtask.model.device import peak_gpu_memory
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-    return f"wall time: {int(seconds // 60)} min {seconds % 60:04.1f} s; peak RSS: {peak:.2f} GiB"
+    gpu = peak_gpu_memory()
+    return (f"wall time: {int(seconds // 60)} min {seconds % 60:04.1f} s; peak RSS: {peak:.2f} GiB"
+            + (f"; peak GPU memory: {gpu / 2**30:.2f} GiB" if gpu is not None else ""))
 
 
 def presets_beside(script: str, **names: str) -> dict[str, Path]:

@@ -1,0 +1,212 @@
+"""Where a run computes: the device setting, mixed precision, quantized bases, and the in-process engine
+over the ranks of a multi-process launch (torchrun, gloo-free: the launcher's store)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_fedtask.config import RunConfig
+from hf_fedtask.engine.ranks import balance
+from hf_fedtask.engine.run import run
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.device import autocast, check_mixed_precision, resolve_device
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(tiny_bert_dir, tiny_tasks_dir, out, **overrides) -> RunConfig:
+    settings = dict(suite=None, tasks=list(tiny_tasks_dir), base_model=tiny_bert_dir,
+                    base_model_id="hf-fedtask-tests/tiny-bert", num_clients=4, rounds=2, participation=0.5,
+                    batch_size=8, local_steps=2, learning_rate=1e-2, max_length=16, min_samples=4,
+                    output_dir=str(out), export=False)
+    return RunConfig(**{**settings, **overrides})
+
+
+def _tensors(run_dir) -> dict[str, torch.Tensor]:
+    with safe_open(str(Path(run_dir) / "checkpoint.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _digest(run_dir) -> str:
+    h = hashlib.sha256()
+    for k, t in sorted(_tensors(run_dir).items()):
+        h.update(k.encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- the device -----------------------------------------------------------------------------------
+# The checkpoints of these runs as the release before `--device` existed wrote them (same tiny model,
+# tasks and settings, torch 2.13 CPU): a CPU run stays bit for bit what it was.
+BEFORE_DEVICES = {"fedavg": "b30bda2ac972e60b", "scaffold": "97050fcdea5ad90c"}
+
+
+@pytest.mark.parametrize("strategy", sorted(BEFORE_DEVICES))
+def test_a_cpu_run_is_bit_for_bit_the_release_before_devices(strategy, tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    extra = {"optimizer": "sgd"} if strategy == "scaffold" else {}
+    config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "run", strategy=strategy, device="cpu", **extra)
+    run(config)
+    assert _digest(tmp_path / "run") == BEFORE_DEVICES[strategy]
+
+
+def test_device_values_are_checked_in_one_line(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    with pytest.raises(ConfigError, match="device must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        _config(tiny_bert_dir, tiny_tasks_dir, tmp_path, device="gpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")  # Accelerate's choice on a machine without a GPU
+        for spec in ("cuda", "cuda:1"):
+            with pytest.raises(ConfigError, match="torch sees no CUDA device"):
+                resolve_device(spec)
+
+
+def test_cli_refuses_a_missing_gpu_with_exit_2_and_nothing_written(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hf_fedtask.cli", "run", "--suite", "", "--tasks", *tiny_tasks_dir,
+                           "--base-model", tiny_bert_dir, "--device", "cuda:0", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("use --device cpu or auto")
+    assert not out.exists() or not any(p.name != ".hf_fedtask.lock" for p in out.iterdir())
+
+
+# -- mixed precision ------------------------------------------------------------------------------
+def test_bf16_trains_in_autocast_and_keeps_fp32_state(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    fp32 = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "fp32")
+    run(fp32)
+    run(dataclasses.replace(fp32, output_dir=str(tmp_path / "bf16"), mixed_precision="bf16"))
+    a, b = _tensors(tmp_path / "fp32"), _tensors(tmp_path / "bf16")
+    assert a.keys() == b.keys()
+    assert all(t.dtype == torch.float32 for t in b.values() if t.is_floating_point())
+    trained = [k for k in a if a[k].is_floating_point() and a[k].numel() > 1]
+    assert any(not torch.equal(a[k], b[k]) for k in trained)  # the forward really ran in bf16
+    # ... and trained the same model to within bf16's precision (Adam's normalized steps amplify the
+    # rounding of tiny gradients in single entries, so the whole state is compared)
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in trained]).norm()
+    assert diff <= 0.05 * torch.cat([a[k].flatten() for k in trained]).norm()
+
+
+def test_the_runs_setting_wins_over_accelerate_launch_environment(tiny_bert_dir, tiny_tasks_dir, tmp_path, monkeypatch):
+    config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "plain", rounds=1)
+    run(config)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch --mixed_precision bf16` sets
+    run(dataclasses.replace(config, output_dir=str(tmp_path / "env")))
+    a, b = _tensors(tmp_path / "plain"), _tensors(tmp_path / "env")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_takes_the_launchers_precision_as_its_default(monkeypatch):
+    import argparse
+
+    from hf_fedtask.config import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert config_from_args(parser.parse_args([])).mixed_precision == "bf16"
+    assert config_from_args(parser.parse_args(["--mixed-precision", "no"])).mixed_precision == "no"
+
+
+def test_precisions_the_device_cannot_run_are_refused(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
+        check_mixed_precision("fp16", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="mixed_precision: must be one of no, bf16, fp16"):
+        _config(tiny_bert_dir, tiny_tasks_dir, tmp_path, mixed_precision="fp8")
+    with pytest.raises(ConfigError, match="strategy 'ntkfedavg' trains a linearized model"):
+        run(_config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "ntk", strategy="ntkfedavg", mixed_precision="bf16"))
+    assert not (tmp_path / "ntk" / "run_config.yaml").exists()
+    with autocast(torch.device("cpu"), "bf16"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with autocast(torch.device("cpu"), "no"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+# -- quantized bases ------------------------------------------------------------------------------
+def test_quantized_bases_are_refused_where_they_cannot_run(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    import importlib.util
+
+    with pytest.raises(ConfigError, match="exclude each other"):
+        _config(tiny_bert_dir, tiny_tasks_dir, tmp_path, load_in_4bit=True, load_in_8bit=True)
+    with pytest.raises(ConfigError, match="load_in_8bit: a quantized base trains LoRA modules only"):
+        run(_config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "ia3", peft_method="ia3", load_in_8bit=True))
+    config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "q", load_in_4bit=True, device="cpu")
+    missing = "needs the bitsandbytes package" if importlib.util.find_spec("bitsandbytes") is None else "runs on a CUDA device"
+    with pytest.raises(ConfigError, match=f"load_in_4bit: .*{missing}"):
+        run(config)
+    assert not (tmp_path / "q" / "run_config.yaml").exists()
+
+
+# -- clients over the ranks of a launch -------------------------------------------------------------
+def test_balance_shares_items_by_size_and_keeps_their_order():
+    assert balance({"a": 5, "b": 1, "c": 4, "d": 1}, 2) == [["a", "d"], ["b", "c"]]
+    assert balance({0: 3}, 3) == [[0], [], []]
+    shares = balance({i: (i * 7) % 5 + 1 for i in range(11)}, 3)
+    assert sorted(i for s in shares for i in s) == list(range(11)) and all(s == sorted(s) for s in shares)
+
+
+_LAUNCHED = """
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+from hf_fedtask.config import RunConfig
+from hf_fedtask.engine.run import run
+from hf_fedtask.errors import FedTaskError
+config = RunConfig.from_dict(json.loads(sys.argv[1]))
+try:
+    results = run(config, overwrite=len(sys.argv) > 2)
+except FedTaskError as e:
+    print(f"rank {os.environ.get('RANK', 'hidden')} error: {e}", flush=True)
+    sys.exit(2)
+print("mean", results["mean_metric"], "processes", results["processes"], flush=True)
+"""
+
+
+def _torchrun(tmp_path, config: RunConfig, *extra: str) -> subprocess.CompletedProcess:
+    import json
+
+    script = tmp_path / "launched.py"
+    script.write_text(textwrap.dedent(_LAUNCHED))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), json.dumps(config.to_dict()), *extra],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("strategy", ["scaffold", "fedper"])  # client stores on rank 0; evaluation on the clients
+def test_two_processes_equal_one_process_tensor_for_tensor(strategy, tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    extra = {"optimizer": "sgd"} if strategy == "scaffold" else {}
+    config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "one", strategy=strategy, participation=1.0, **extra)
+    run(config)
+    launched = dataclasses.replace(config, output_dir=str(tmp_path / "two"))
+    proc = _torchrun(tmp_path, launched)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("processes 2") == 2  # every rank returns rank 0's results
+    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    one = [line for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [line for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda line: {k: v for k, v in __import__("json").loads(line).items() if k != "seconds"}  # noqa: E731
+    assert [strip(x) for x in one] == [strip(x) for x in two]
+
+
+def test_a_refused_run_ends_every_rank_with_its_line(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone else's")
+    proc = _torchrun(tmp_path, _config(tiny_bert_dir, tiny_tasks_dir, out))
+    assert proc.returncode != 0
+    lines = [line for line in proc.stdout.splitlines() if " error: " in line]
+    assert len(lines) == 2 and all("holds no hf_fedtask run" in line for line in lines), proc.stdout + proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
