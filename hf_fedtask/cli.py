@@ -34,11 +34,23 @@ def _flower_run(args) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--federation-config {item!r}: expected KEY=VALUE, e.g. num-supernodes=4")
-        federation[key] = int(value) if value.isdigit() else value
+        federation[key] = _typed(value)
     run_id = launch(config, args.connection, app_dir=args.app_dir, resume=args.resume, overwrite=args.overwrite,
                     timeout=args.timeout, wait=args.wait, federation_config=federation or None)
     print(f"Flower run {run_id} finished; results in {config.output_dir}")
     return 0
+
+
+def _typed(value: str) -> bool | int | float | str:
+    """A `--federation-config` value as TOML would type it: client-resources-num-gpus=0.25 is a number."""
+    if value in ("true", "false"):
+        return value == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _flower_app(args) -> int:

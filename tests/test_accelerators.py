@@ -210,3 +210,20 @@ def test_a_refused_run_ends_every_rank_with_its_line(tiny_bert_dir, tiny_tasks_d
     lines = [line for line in proc.stdout.splitlines() if " error: " in line]
     assert len(lines) == 2 and all("holds no hf_fedtask run" in line for line in lines), proc.stdout + proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_flower_simulation_client_resources_reach_flower_as_numbers():
+    """`--federation-config client-resources-num-gpus=0.25` gives each simulated client a quarter GPU:
+    Flower's SimulationConfig takes it only as a number."""
+    from flwr.common.config import parse_config_args
+    from flwr.supercore.utils import simulation_config_from_json
+
+    from hf_fedtask.cli import _typed
+    from hf_fedtask.engine.flower.launch import _toml_value
+
+    given = {"num-supernodes": "4", "client-resources-num-gpus": "0.25", "client-resources-num-cpus": "2"}
+    args = [f"{k}={_toml_value(_typed(v))}" for k, v in given.items()]  # what `flwr run --federation-config` gets
+    parsed = {k.replace("-", "_"): v for k, v in parse_config_args(args).items()}  # as flwr run parses it
+    config = simulation_config_from_json(parsed)
+    assert config.client_resources_num_gpus == pytest.approx(0.25)
+    assert config.client_resources_num_cpus == 2 and config.num_supernodes == 4
