@@ -52,6 +52,28 @@ def rank_store():
     return _store
 
 
+# -- the store: values in chunks it accepts ---------------------------------------------------------
+CHUNK = 4 << 20  # the TCPStore's server refuses values over 8 MiB (its libuv backend's limit)
+
+
+def _put(store, key: str, data: bytes) -> None:
+    """`data` under `key`, in chunks; the chunk count is written last, so a reader waiting on `key`
+    finds every chunk in place."""
+    n = max(1, -(-len(data) // CHUNK))
+    for i in range(n):
+        store.set(f"{key}/{i}", data[i * CHUNK:(i + 1) * CHUNK])
+    store.set(key, str(n))
+
+
+def _take(store, key: str) -> bytes:
+    """What `_put` wrote under `key` (waiting for it), removed from the store."""
+    n = int(store.get(key))
+    parts = [store.get(f"{key}/{i}") for i in range(n)]
+    for name in [key, *(f"{key}/{i}" for i in range(n))]:
+        store.delete_key(name)
+    return b"".join(parts)
+
+
 # -- framing: a JSON header and blobs, in one bytes value -------------------------------------------
 def _frame(header: dict, blobs: list[bytes] = ()) -> bytes:
     head = json.dumps({**header, "sizes": [len(b) for b in blobs]}).encode()
@@ -120,14 +142,11 @@ class RankTransport(InProcessTransport):
         self._closed = False
 
     def _send(self, rank: int, seq: int, header: dict, blobs: list[bytes] = ()) -> None:
-        self.store.set(f"hf_fedtask/{self.session}/{seq}/to/{rank}", _frame(
+        _put(self.store, f"hf_fedtask/{self.session}/{seq}/to/{rank}", _frame(
             {**header, "fingerprint": self.env.config.fingerprint()}, list(blobs)))
 
     def _receive(self, rank: int, seq: int) -> tuple[dict, list[bytes]]:
-        key = f"hf_fedtask/{self.session}/{seq}/from/{rank}"
-        data = self.store.get(key)
-        self.store.delete_key(key)
-        return _unframe(data)
+        return _unframe(_take(self.store, f"hf_fedtask/{self.session}/{seq}/from/{rank}"))
 
     def _others(self) -> range:
         return range(1, self.here.world_size)
@@ -183,8 +202,8 @@ def release_ranks(config, error: BaseException) -> None:
     here = launch()
     store, session = rank_store(), next(_sessions)
     for rank in range(1, here.world_size):
-        store.set(f"hf_fedtask/{session}/0/to/{rank}", _frame({"op": "end", "results": None, **_error(error),
-                                                              "fingerprint": config.fingerprint()}))
+        _put(store, f"hf_fedtask/{session}/0/to/{rank}", _frame({"op": "end", "results": None, **_error(error),
+                                                               "fingerprint": config.fingerprint()}))
 
 
 def serve(config) -> dict:
@@ -193,10 +212,7 @@ def serve(config) -> dict:
     here, store, session = launch(), rank_store(), next(_sessions)
     env = server = None
     for seq in count():
-        key = f"hf_fedtask/{session}/{seq}/to/{here.rank}"
-        data = store.get(key)
-        store.delete_key(key)
-        header, blobs = _unframe(data)
+        header, blobs = _unframe(_take(store, f"hf_fedtask/{session}/{seq}/to/{here.rank}"))
         if header["fingerprint"] != config.fingerprint():
             raise ConfigError(f"rank {here.rank} was started with another config than rank 0: every rank must run the "
                               "same command")
@@ -213,9 +229,10 @@ def serve(config) -> dict:
             state = GlobalState(header["round"], unpack_vectors(TaskVector.from_bytes(blobs[0], source="state")),
                                 header["scalars"])
             try:
-                store.set(reply_key, _frame({"metrics": server.evaluate_tasks(state, header["tasks"])}))
+                reply = _frame({"metrics": server.evaluate_tasks(state, header["tasks"])})
             except Exception as exc:  # reported to rank 0, which ends the run with it
-                store.set(reply_key, _frame(_error(exc)))
+                reply = _frame(_error(exc))
+            _put(store, reply_key, reply)
             continue
         items, out = [], []
         for i, item in enumerate(header["items"]):
@@ -228,4 +245,4 @@ def serve(config) -> dict:
             except Exception as exc:
                 items.append({"client_id": ins.client_id, **_error(exc)})
                 out += [b"", b""]
-        store.set(reply_key, _frame({"items": items}, out))
+        _put(store, reply_key, _frame({"items": items}, out))

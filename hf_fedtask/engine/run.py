@@ -175,10 +175,10 @@ def _run_rank0(config: RunConfig, **kwargs) -> dict:
     try:
         results = _run(config, engine=ranks_engine, **kwargs)
     except BaseException as exc:
-        if transports:
-            transports[0].finish(error=exc)
-        else:
-            release_ranks(config, exc)
+        try:
+            transports[0].finish(error=exc) if transports else release_ranks(config, exc)
+        except Exception as lost:  # the store is gone: the launcher ends the other ranks when this one exits
+            logger.warning("could not release the other ranks: %s", lost)
         raise
     transports[0].finish(results)
     return results
