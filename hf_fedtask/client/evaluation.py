@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.metrics import compute, module_path
+from hf_fedtask.model.device import to_device
 from hf_fedtask.model.host import PeftHost
 
 
@@ -20,7 +21,7 @@ def _predict_with(model, host: PeftHost, data: Dataset, batch_size: int) -> np.n
     device = host.device
     loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
     with host.autocast():
-        preds = [model(**{k: v.to(device) for k, v in batch.items() if k != "labels"}).logits.argmax(-1).cpu()
+        preds = [model(**to_device({k: v for k, v in batch.items() if k != "labels"}, device)).logits.argmax(-1).cpu()
                  for batch in loader]
     return torch.cat(preds).numpy()
 

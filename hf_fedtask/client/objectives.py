@@ -47,13 +47,20 @@ class LinearCorrection(Objective):
 
     def __init__(self, correction: Mapping[str, torch.Tensor]):
         self.correction = dict(correction)
+        self._placed: dict[str, torch.Tensor] = {}
+
+    def _like(self, key: str, p: torch.Tensor) -> torch.Tensor:
+        """c[key] (a CPU tensor from the server) on `p`'s device and in its dtype, moved once."""
+        c = self._placed.get(key)
+        if c is None or c.device != p.device or c.dtype != p.dtype:
+            c = self._placed[key] = self.correction[key].to(device=p.device, dtype=p.dtype)
+        return c
 
     def loss(self, model_loss, outputs, inputs):
         missing = [k for k in self.correction if k not in self.params]
         if missing:
             raise KeyError(f"correction for unknown parameter {missing[0]!r}")
-        return model_loss + sum((self.correction[k].to(p.dtype) * p).sum() for k, p in self.params.items()
-                                if k in self.correction)
+        return model_loss + sum((self._like(k, p) * p).sum() for k, p in self.params.items() if k in self.correction)
 
 
 class OneHotMSE(Objective):

@@ -61,8 +61,8 @@ def save_linearized(
 
 def load_linearized(folder: str | os.PathLike, base_model: str | None = None) -> LinearizedModel:
     """The linearized model saved in `folder` (eval mode): a `LinearizedModel` around the stock
-    PEFT adapter `point/`, moved by `delta.safetensors`. `base_model` (local folder or Hub id)
-    overrides the base recorded in the adapter config."""
+    PEFT adapter `point/`, moved by `delta.safetensors`, on the CPU (`.to(device)` moves it, θ_lin
+    included). `base_model` (local folder or Hub id) overrides the base recorded in the adapter config."""
     from peft import PeftModel, set_peft_model_state_dict
 
     from hf_fedtask.model.backbone import load_classifier, resolve_base_model

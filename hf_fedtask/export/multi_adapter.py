@@ -41,7 +41,8 @@ def pad_head(state: TaskVector, head_keys: list[str], num_labels: int) -> TaskVe
         extra = num_labels - t.shape[0]
         if extra < 0:
             raise ConfigError(f"head {key!r} has {t.shape[0]} rows, more than {num_labels}")
-        fill = torch.full((extra, *t.shape[1:]), PAD_BIAS if key.endswith("bias") else 0.0, dtype=t.dtype)
+        fill = torch.full((extra, *t.shape[1:]), PAD_BIAS if key.endswith("bias") else 0.0, dtype=t.dtype,
+                          device=t.device)
         out[key] = torch.cat([t, fill])
     return TaskVector(out)
 

@@ -12,6 +12,7 @@ from hf_fedtask.errors import ConfigError, FedTaskError
 from hf_fedtask.export.adapter import CLASSIFIER_SUBFOLDER, load_adapter_base, read_adapter_folder
 from hf_fedtask.metrics import compute
 from hf_fedtask.model.backbone import load_inputs
+from hf_fedtask.model.device import model_device, to_device
 
 
 def load_adapter_model(adapter_dir: str | Path):
@@ -68,7 +69,9 @@ def evaluate_adapter(adapter_dir: str | Path, task: str, *, split: str = "test",
     if t.modality != inputs.modality:
         raise ConfigError(f"task {t.name!r} has {t.modality} inputs but the adapter's base model takes {inputs.modality}")
     data = t.dataset[split]
-    preds = [model(**inputs.batch(batch[t.text_column])).logits.argmax(-1) for batch in data.iter(batch_size)]
+    device = model_device(model)
+    preds = [model(**to_device(inputs.batch(batch[t.text_column]), device)).logits.argmax(-1).cpu()
+             for batch in data.iter(batch_size)]
     labels = np.asarray(data[t.label_column])
     accuracy = compute("accuracy", labels, torch.cat(preds).numpy())
     return {"task": t.name, "split": split, "accuracy": accuracy, "num_examples": len(labels)}

@@ -52,7 +52,8 @@ def save_tct(folder: str | os.PathLike, *, peft_config: PeftConfig, network: Map
 
 class TCTClassifier(torch.nn.Module):
     """The stage-2 predictor: eNTK features of the feature network at the saved coordinates,
-    standardized, times W, plus b."""
+    standardized, times W, plus b. `.to(device)` moves the network and the linear model; raw inputs
+    go to the network's device, the features come back on the linear model's."""
 
     def __init__(self, network: torch.nn.Module, paths: list[str], linear: Mapping[str, torch.Tensor], inputs,
                  info: dict):
@@ -73,7 +74,8 @@ class TCTClassifier(torch.nn.Module):
         return model_features(self.network, self.paths, [batch], self.index, output=int(self.info.get("output", 0)))
 
     def forward(self, **batch: torch.Tensor) -> torch.Tensor:
-        logits = ((self.features(**batch) - self.mean) / self.std) @ self.weight
+        z = self.features(**batch).to(self.mean.device)  # model_features returns CPU rows
+        logits = ((z - self.mean) / self.std) @ self.weight
         return logits + self.bias if self.has_bias else logits
 
     def prepare(self, raw: list) -> dict[str, torch.Tensor]:

@@ -4,7 +4,11 @@ the same seed gives peft's result when peft runs under `torch.manual_seed(seed)`
 
 peft's per-parameter merges draw the masks key by key, task by task, so both functions work one key
 at a time in that order: `dare_linear` keeps a running sum (O(d) memory), `dare_ties` holds the N
-dropped tensors of one key (O(N·largest key)); neither holds N dropped vectors."""
+dropped tensors of one key (O(N·largest key)); neither holds N dropped vectors.
+
+Vectors on an accelerator are merged there: the masks are still drawn from the seeded CPU generator
+(so the same seed drops the same entries on every device) and moved to the tensors, and the results
+stay there; CPU vectors are merged exactly as before."""
 
 from __future__ import annotations
 
@@ -17,11 +21,12 @@ from hf_fedtask.merge.ties import check_compatible, elect_and_merge
 
 
 def random_prune(tensor: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
-    """Keep each entry with probability `density` (Bernoulli), divided by `density` if `rescale`."""
+    """Keep each entry with probability `density` (Bernoulli), divided by `density` if `rescale`. The
+    mask is drawn on the generator's device and moved to the tensor's."""
     if not 0 < density <= 1:
         raise ValueError(f"DARE density must be in (0, 1], got {density}")
-    mask = torch.bernoulli(torch.full_like(tensor, density), generator=generator)
-    pruned = tensor * mask
+    mask = torch.bernoulli(torch.full_like(tensor, density, device=generator.device), generator=generator)
+    pruned = tensor * mask.to(tensor.device)
     return pruned / density if rescale else pruned
 
 

@@ -74,8 +74,10 @@ def _void_ptr(typingctx, address):
 
 
 def supported(layout: Layout) -> bool:
-    """Whether the kernels handle these vectors (float32 throughout; the torch path does the rest)."""
-    return layout.dtype == torch.float32 and all(d == torch.float32 for d in layout.dtypes.values())
+    """Whether the kernels handle these vectors (float32 CPU tensors throughout; the torch path does
+    the rest, on the vectors' device)."""
+    return (layout.device.type == "cpu" and layout.dtype == torch.float32
+            and all(d == torch.float32 for d in layout.dtypes.values()))
 
 
 BACKENDS = ("auto", "numba", "torch")
@@ -86,6 +88,8 @@ def use_kernels(backend: str, layout: Layout) -> bool:
     "torch" runs the reference path."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "numba" and layout.device.type != "cpu":
+        raise ValueError(f"the numba backend takes CPU task vectors, got tensors on {layout.device}")
     if backend == "numba" and not supported(layout):
         dtype = next((d for d in layout.dtypes.values() if d != torch.float32), layout.dtype)
         raise ValueError(f"the numba backend takes float32 task vectors, got {dtype}")

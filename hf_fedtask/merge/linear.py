@@ -19,8 +19,9 @@ def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], ba
     A sequence (vectors already in memory, as a server holds its round's updates) is averaged in
     one pass that reads each vector once; any other iterable (say, a generator that reads files)
     is summed as it streams, so memory is O(d) however many vectors come. `backend`: "numba" (the
-    fused `kernels`: no float64 copy of any input; float32 only), "torch" (the reference) or
-    "auto" (numba for float32 inputs, torch for the others); all give the same result bit for bit.
+    fused `kernels`: no float64 copy of any input; float32 CPU only), "torch" (the reference) or
+    "auto" (numba for float32 CPU inputs, torch for the others); all give the same result bit for bit.
+    Vectors on an accelerator are averaged there (the torch path) and the mean stays there.
     Raises ValueError on no inputs, non-positive total weight, or keys or shapes that differ from the
     first vector's."""
     if isinstance(vectors, Sequence):
@@ -50,7 +51,7 @@ def _running_mean(vectors: Iterable[TaskVector], weights: Iterable[float], backe
         if layout is None:
             layout = Layout([tv])
             fused = kernels.use_kernels(backend, layout)
-            acc = {k: torch.zeros(n, dtype=torch.float64) for k, n in layout.numels.items()}
+            acc = {k: torch.zeros(n, dtype=torch.float64, device=layout.device) for k, n in layout.numels.items()}
             template = {k: torch.empty(shape, device="meta") for k, shape in layout.shapes.items()}  # holds no data
         check_compatible([template, tv], [1.0, 1.0])  # the fused path reads raw memory: a mismatch must not reach it
         flat = layout.flat_views(tv)

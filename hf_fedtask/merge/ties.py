@@ -6,7 +6,11 @@ parameter and copy the stack several times. `ties` streams instead (see `streami
 task's magnitude threshold one task at a time (one |τ_t| copy of a parameter, or of the whole vector
 for scope="model"), then trims on the fly, elects signs and takes the disjoint mean chunk by chunk,
 with the same floating-point operations in the same order as the stacked definition, so results are
-bit for bit those of trimming every vector first. Memory is O(d) plus O(N·chunk) scratch."""
+bit for bit those of trimming every vector first. Memory is O(d) plus O(N·chunk) scratch.
+
+Vectors whose tensors sit on an accelerator are merged there by the torch paths (the numba kernels
+and numpy's selection are CPU-only) and the results stay there; CPU vectors take the paths they
+always took."""
 
 from __future__ import annotations
 
@@ -90,9 +94,10 @@ def ties(
 
     `scope="tensor"` trims each parameter on its own (peft's `ties`); `scope="model"` keeps the top
     `density` of each task vector as a whole (the TIES paper). Entries tied at a task's threshold
-    value are kept in flat order until k are kept, as in `magnitude_prune`. Streams over CPU tensors.
-    `backend`: "numba" (the fused kernels of `kernels`; float32 only), "torch" (the reference
-    streaming path) or "auto" (numba where it applies). Both give the same result bit for bit."""
+    value are kept in flat order until k are kept, as in `magnitude_prune`. Streams over the tensors
+    where they are. `backend`: "numba" (the fused kernels of `kernels`; float32 CPU only), "torch" (the
+    reference streaming path; on an accelerator, the one taken) or "auto" (numba where it applies).
+    Both give the same result bit for bit."""
     check_compatible(vectors, weights)
     _check_method(majority_sign_method)
     if scope not in SCOPES:
@@ -110,6 +115,8 @@ def ties(
         kernels.ties_merge(kernels.Plan(layout, flats), lambd, weights, majority_sign_method == "frequency", out)
         _merge_tied_entries(flats, cuts, weights, majority_sign_method, out)
         return TaskVector(layout.unflatten(out))
+    elif layout.device.type != "cpu":  # an accelerator: the selection in torch there, one task at a time
+        cuts = [_cuts(flat, density, scope) for flat in flats]
     else:
         # threshold selection is numpy work (copy, introselect) that releases the GIL: a task per core
         with ThreadPoolExecutor(max_workers=min(torch.get_num_threads(), len(flats))) as pool:
@@ -166,12 +173,13 @@ def elect_and_merge(trimmed: Sequence[torch.Tensor], weights: Sequence[float], m
 @torch.no_grad()
 def sign_similarity(vectors: Sequence[TaskVector]) -> torch.Tensor:
     """MaTU Eq. 5: S[t, t'] = ½·(mean_j sgn(τ_t[j])·sgn(τ_t'[j]) + 1), a T×T matrix in [0, 1].
-    The Gram matrix of signs is summed chunk by chunk (exact integer counts), never stacked."""
+    The Gram matrix of signs is summed chunk by chunk (exact integer counts), never stacked; on the
+    vectors' device, where the matrix is returned."""
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
-    signs = torch.empty(len(vectors), chunk_len(len(vectors), 4, layout.numel))
-    gram = torch.zeros(len(vectors), len(vectors), dtype=torch.float64)
+    signs = torch.empty(len(vectors), chunk_len(len(vectors), 4, layout.numel, layout.device), device=layout.device)
+    gram = torch.zeros(len(vectors), len(vectors), dtype=torch.float64, device=layout.device)
     for _, pieces in layout.chunks(signs.shape[1]):
         s = gather(flats, pieces, signs[:, : pieces[-1].chunk_slice.stop]).sign_()
         gram += (s @ s.T).double()
@@ -214,8 +222,8 @@ def _elect_and_merge(
     """Run TIES' election and disjoint mean chunk by chunk; `fill(rows, pieces)` writes each task's
     trimmed chunk into its row. Returns the flat merged tensor per key."""
     out = layout.empty_flat()
-    size = chunk_len(len(weights), layout.dtype.itemsize, layout.numel)
-    trimmed = torch.empty(len(weights), size, dtype=layout.dtype)
+    size = chunk_len(len(weights), layout.dtype.itemsize, layout.numel, layout.device)
+    trimmed = torch.empty(len(weights), size, dtype=layout.dtype, device=layout.device)
     scratch = torch.empty_like(trimmed)
     for _, pieces in layout.chunks(size):
         n = pieces[-1].chunk_slice.stop
@@ -263,7 +271,8 @@ class _Cut:
             return
         torch.hardshrink(src, self.lambd, out=out)  # x where |x| > lambd, else 0: trimming in one op
         if self.ties is not None:
-            lo, hi = torch.searchsorted(self.ties, torch.tensor([piece.start, piece.stop])).tolist()
+            bounds = torch.tensor([piece.start, piece.stop], device=self.ties.device)
+            lo, hi = torch.searchsorted(self.ties, bounds).tolist()
             idx = self.ties[lo:hi] - piece.start
             out[idx] = src[idx]
 
@@ -343,7 +352,12 @@ def _below(v: float, dtype: torch.dtype) -> float:
 def _kth_largest_abs(tensors: list[torch.Tensor], k: int) -> tuple[float, bool]:
     """The k-th largest |entry| v of the concatenated 1-D tensors (1 ≤ k ≤ n), and whether more than
     k entries have |x| ≥ v. One |x| copy of the population, selected in place with numpy's
-    introselect: torch.kthvalue and torch.topk are about ten times slower on millions of entries."""
+    introselect: torch.kthvalue and torch.topk are about ten times slower on millions of entries
+    on a CPU (on an accelerator, where numpy cannot reach, torch.kthvalue there)."""
+    if tensors[0].device.type != "cpu":
+        magnitude = torch.cat([t.abs() for t in tensors])
+        v = torch.kthvalue(magnitude, magnitude.numel() - k + 1).values  # the k-th largest
+        return float(v), bool((magnitude >= v).sum() > k)
     a = np.concatenate([np.abs(_numpy(t)) for t in tensors])
     lower = a.size - k
     a.partition(lower)  # a[lower] is the k-th largest; a[:lower] holds the entries <= it

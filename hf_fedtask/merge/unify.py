@@ -11,7 +11,9 @@ recovered as λ_t·(m_t ⊙ τ).
 
 `unify` streams (see `streaming`): per chunk of all T tasks, one pass sums the tasks in order (the
 sign), then x_t·σ gives both μ (its running max) and m_t (where it is > 0: the sign test of
-τ_t ⊙ τ without the product, so no underflow), and the rescalers' sums are taken per key.
+τ_t ⊙ τ without the product, so no underflow), and the rescalers' sums are taken per key. Vectors
+on an accelerator are unified there by the torch path (masks packed with torch instead of numpy) and
+τ and the masks stay there; CPU vectors take the paths they always took.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import kernels
-from hf_fedtask.merge.bitmask import packed_size, unpack_bits
+from hf_fedtask.merge.bitmask import pack_rows, packed_size, unpack_bits
 from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
 from hf_fedtask.merge.ties import check_compatible
 
@@ -55,28 +57,31 @@ class Unified:
 
 @torch.no_grad()
 def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: str = "auto") -> Unified:
-    """Unify T task vectors (CPU tensors) into τ, T bit-packed masks and T rescalers. `backend`:
-    "numba" (one fused pass, `kernels`; float32), "torch" (the reference) or "auto" (numba where it
-    applies): the same τ and masks bit for bit, rescalers within a few float32 ulps (their sums are
-    accumulated in another order)."""
+    """Unify T task vectors into τ, T bit-packed masks and T rescalers. `backend`: "numba" (one fused
+    pass, `kernels`; float32 CPU tensors), "torch" (the reference; the path on an accelerator, where
+    τ and the masks are returned) or "auto" (numba where it applies): the same τ and masks bit for bit,
+    rescalers within a few float32 ulps (their sums are accumulated in another order)."""
     if rescaler not in RESCALERS:
         raise ValueError(f"rescaler must be one of {RESCALERS}, got {rescaler!r}")
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
     unified = layout.empty_flat()
-    masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8) for _ in vectors]  # both paths write every byte
+    device = layout.device
+    masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8, device=device)  # both paths write every byte
+             for _ in vectors]
     if kernels.use_kernels(backend, layout):
         sums = torch.from_numpy(kernels.unify_pass(kernels.Plan(layout, flats), unified, masks))
         return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     n_tasks, keys = len(vectors), list(layout.numels)
     key_index = {k: j for j, k in enumerate(keys)}
-    mask_bytes = [m.numpy() for m in masks]
-    sums = torch.zeros(2, n_tasks, len(keys), dtype=torch.float64)  # Σ|τ_t| and Σ|m_t ⊙ τ| per key
-    size = chunk_len(n_tasks, layout.dtype.itemsize, layout.numel)
-    x_buf = torch.empty(n_tasks, size, dtype=layout.dtype)
+    on_cpu = device.type == "cpu"  # numpy packs the masks there; torch (`pack_rows`) on an accelerator
+    mask_bytes = [m.numpy() for m in masks] if on_cpu else masks
+    sums = torch.zeros(2, n_tasks, len(keys), dtype=torch.float64, device=device)  # Σ|τ_t| and Σ|m_t ⊙ τ| per key
+    size = chunk_len(n_tasks, layout.dtype.itemsize, layout.numel, device)
+    x_buf = torch.empty(n_tasks, size, dtype=layout.dtype, device=device)
     q_buf = torch.empty_like(x_buf)
-    m_buf = torch.empty(n_tasks, size, dtype=torch.bool)
+    m_buf = torch.empty(n_tasks, size, dtype=torch.bool, device=device)
     sum_dtype = torch.promote_types(layout.dtype, torch.float32)
     for start, pieces in layout.chunks(size):
         n = pieces[-1].chunk_slice.stop
@@ -89,9 +94,9 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
         magnitude = q.amax(0).clamp_(min=0)
         scatter(sign.mul_(magnitude), pieces, unified)
         _positive(q, m)
-        packed = np.packbits(m.numpy(), axis=1)  # chunks start at multiples of 8 entries
+        packed = np.packbits(m.numpy(), axis=1) if on_cpu else pack_rows(m)  # chunks start at multiples of 8 entries
         for dst, row in zip(mask_bytes, packed):
-            dst[start // 8 : start // 8 + row.size] = row
+            dst[start // 8 : start // 8 + len(row)] = row
         torch.abs(x, out=x)
         torch.gt(q, 0, out=q).mul_(magnitude)  # |m_t ⊙ τ|
         for p in pieces:
@@ -103,6 +108,7 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
 
 def _rescalers(sums: torch.Tensor, layout: Layout, rescaler: str) -> list[float]:
     """λ_t from the per-key sums [2, T, keys] (Σ|τ_t| and Σ|m_t ⊙ τ|)."""
+    sums = sums.cpu()
     if rescaler == "per_tensor_mean":  # each key's mean weighs the same (an empty key adds nothing)
         sums = sums / torch.tensor([max(n, 1) for n in layout.numels.values()], dtype=torch.float64)
     num, den = sums.sum(2)
@@ -110,8 +116,9 @@ def _rescalers(sums: torch.Tensor, layout: Layout, rescaler: str) -> list[float]
 
 
 def _positive(q: torch.Tensor, out: torch.Tensor) -> None:
-    """out = q > 0 (bool). numpy writes bools several times faster than torch; it lacks bfloat16."""
-    if q.dtype == torch.bfloat16:
+    """out = q > 0 (bool). numpy writes bools several times faster than torch; it lacks bfloat16 and
+    cannot reach an accelerator."""
+    if q.dtype == torch.bfloat16 or q.device.type != "cpu":
         torch.gt(q, 0, out=out)
     else:
         np.greater(q.numpy(), 0, out=out.numpy())

@@ -177,11 +177,14 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
         self.update_layer(adapter_name, config)
 
     def update_layer(self, adapter_name: str, config: BottleneckConfig, **kwargs) -> None:
-        """Add (or replace) the adapter `adapter_name`, on the device and in the dtype of the base layer."""
+        """Add (or replace) the adapter `adapter_name`, on the device of the base layer and in its dtype
+        (float32 beside a quantized base layer, whose weights are not floating point)."""
         weight = next(self.get_base_layer().parameters(), None)
         factory = {}
-        if weight is not None and weight.is_floating_point():
-            factory = {"device": weight.device, "dtype": weight.dtype}
+        if weight is not None:
+            factory["device"] = weight.device
+            if weight.is_floating_point():
+                factory["dtype"] = weight.dtype
         self.bottleneck_down[adapter_name] = nn.Linear(self.hidden_size, config.bottleneck_dim, **factory)
         self.bottleneck_up[adapter_name] = nn.Linear(config.bottleneck_dim, self.hidden_size, **factory)
         self.bottleneck_non_linearity[adapter_name] = config.non_linearity

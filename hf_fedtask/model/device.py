@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -126,6 +127,18 @@ def peak_gpu_memory() -> int | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+
+
+def model_device(module: torch.nn.Module) -> torch.device:
+    """The device of `module`'s parameters (its first one; the CPU for a module without any)."""
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def to_device(batch: Mapping, device: torch.device) -> dict:
+    """`batch` with every tensor moved to `device` (the same tensors where they are there already, so
+    a CPU run computes exactly what it did before devices existed)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:

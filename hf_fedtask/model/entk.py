@@ -16,7 +16,8 @@ and one backward pass:
 
 Samples are independent in eval mode (no batch statistics), so the batched backward of Σ_i f(x_i)
 gives every sample's own output gradients. Coordinates are the flat order of the trainable
-parameters in PEFT's saved naming (`host.state()`).
+parameters in PEFT's saved naming (`host.state()`). Batches go to the model's device; the features
+come back as CPU float32 rows, whatever that device.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.model.host import PeftHost
+from hf_fedtask.model.device import model_device, to_device
 
 
 def coordinate_subset(total: int, p: int, seed: int) -> torch.Tensor:
@@ -69,7 +71,11 @@ def entk_features(host: PeftHost, state: TaskVector, data: Dataset, index: torch
 def model_features(model: torch.nn.Module, paths: list[str], batches: Iterable[dict[str, torch.Tensor]],
                    index: torch.Tensor, *, output: int = 0) -> torch.Tensor:
     """The features of `batches` (model inputs) over the parameters at `paths` (module paths, in
-    coordinate order), whatever their `requires_grad`; the model is put in eval mode meanwhile."""
+    coordinate order), whatever their `requires_grad`; the model is put in eval mode meanwhile. Each
+    batch is moved to the model's device and its rows come back to the CPU."""
+    device = model_device(model)
+    index = index.cpu()  # the coordinates' positions are found on the CPU,
+    columns = index.to(device)  # the columns gathered where the gradients are
     was_training = model.training
     live = dict(model.named_parameters())
     flags = {path: live[path].requires_grad for path in live}
@@ -82,10 +88,11 @@ def model_features(model: torch.nn.Module, paths: list[str], batches: Iterable[d
     rows = []
     try:
         for batch in batches:
+            batch = to_device(batch, device)
             if owners is not None:
-                rows.append(_layer_features(model, batch, owners, names, offsets, index, output))
+                rows.append(_layer_features(model, batch, owners, names, offsets, index, columns, output).cpu())
             else:
-                rows.append(_vmap_features(model, batch, names, offsets, index, output))
+                rows.append(_vmap_features(model, batch, names, offsets, index, columns, output).cpu())
     finally:
         model.train(was_training)
         for path, p in live.items():
@@ -107,8 +114,10 @@ def _layer_owners(model: torch.nn.Module, paths: list[str]) -> dict[str, tuple[t
     return owners
 
 
-def _layer_features(model, batch, owners, names, offsets, index, output, budget: int = 1 << 22) -> torch.Tensor:
-    """One forward and one backward pass; the selected coordinates formed from inputs and output grads."""
+def _layer_features(model, batch, owners, names, offsets, index, columns, output,
+                    budget: int = 1 << 22) -> torch.Tensor:
+    """One forward and one backward pass; the selected coordinates formed from inputs and output grads.
+    `index` (CPU) locates each parameter's coordinates, `columns` (the same, on the device) gathers them."""
     layers = {id(m): m for m, _ in owners.values()}
     inputs, outputs, calls = {}, {}, {}
 
@@ -129,7 +138,7 @@ def _layer_features(model, batch, owners, names, offsets, index, output, budget:
         for h in handles:
             h.remove()
     n = logits.shape[0]
-    out = torch.zeros(n, len(index))
+    out = torch.zeros(n, len(index), device=columns.device)
     for i, (path, _) in enumerate(names):
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         start, stop = int(torch.searchsorted(index, lo)), int(torch.searchsorted(index, hi))
@@ -143,7 +152,7 @@ def _layer_features(model, batch, owners, names, offsets, index, output, budget:
         else:  # any leading dims (tokens) become one: (n, T, in) and (n, T, out), summed over T
             a, g = a.reshape(n, -1, a.shape[-1]).transpose(1, 2), g.reshape(n, -1, g.shape[-1]).transpose(1, 2)
         if kind == "weight" and _dense_is_cheaper(stop - start, g.shape[1], a.shape[1], a.shape[-1]):
-            sel = index[start:stop] - lo  # per-sample weight gradients g·aᵀ by batched matmul, then the columns
+            sel = columns[start:stop] - lo  # per-sample weight gradients g·aᵀ by batched matmul, then the columns
             rows_per = max(1, budget // (g.shape[1] * a.shape[1]))  # temporaries of rows_per × O × in floats
             for r in range(0, n, rows_per):
                 full = torch.bmm(g[r:r + rows_per], a[r:r + rows_per].transpose(1, 2))
@@ -151,7 +160,7 @@ def _layer_features(model, batch, owners, names, offsets, index, output, budget:
             continue
         chunk = max(1, budget // (n * a.shape[-1]))  # temporaries of n × chunk × L floats
         for s in range(start, stop, chunk):
-            sel = index[s:min(s + chunk, stop)] - lo
+            sel = columns[s:min(s + chunk, stop)] - lo
             if kind == "bias":
                 out[:, s:s + len(sel)] = g[:, sel, :].sum(-1)
             else:
@@ -169,22 +178,22 @@ def _dense_is_cheaper(selected: int, out_dim: int, in_dim: int, positions: int) 
     return selected * positions * 300 > out_dim * in_dim * (positions + 100)
 
 
-def _vmap_features(model, batch, names, offsets, index, output) -> torch.Tensor:
+def _vmap_features(model, batch, names, offsets, index, columns, output) -> torch.Tensor:
     """The `torch.func` path. A padded text batch is split by length and fed without its attention mask
     (transformers' mask code branches on the mask's values, which `vmap` cannot trace): exact for
     right padding, which is what the tokenizers here produce."""
     mask = batch.get("attention_mask")
     if mask is None:
-        return _gather(_vmap_gradients(model, batch, output), names, offsets, index)
+        return _gather(_vmap_gradients(model, batch, output), names, offsets, index, columns)
     lengths = mask.sum(1)
-    out = torch.zeros(len(lengths), len(index))
+    out = torch.zeros(len(lengths), len(index), device=columns.device)
     for length in lengths.unique().tolist():
         rows = (lengths == length).nonzero().flatten()
         if not bool(mask[rows, :length].all()):
             raise ValueError("eNTK features: left-padded inputs are not supported")
         sub = {k: v[rows][:, :length] if v.dim() > 1 and v.shape[1] == mask.shape[1] else v[rows]
                for k, v in batch.items() if k != "attention_mask"}
-        out[rows] = _gather(_vmap_gradients(model, sub, output), names, offsets, index)
+        out[rows] = _gather(_vmap_gradients(model, sub, output), names, offsets, index, columns)
     return out
 
 
@@ -203,21 +212,24 @@ def _vmap_gradients(model, batch, output) -> dict[str, torch.Tensor]:
 
 
 def _gather(grads: dict[str, torch.Tensor], names: list[tuple[str, str]], offsets: torch.Tensor,
-            index: torch.Tensor) -> torch.Tensor:
-    """The columns `index` of the per-sample gradients laid flat, without building the full flat rows."""
+            index: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The columns `index` of the per-sample gradients laid flat, without building the full flat rows
+    (`columns`: `index` on the gradients' device)."""
     batch = next(iter(grads.values())).shape[0]
-    out = torch.empty(batch, len(index))
+    out = torch.empty(batch, len(index), device=columns.device)
     for i, (path, _) in enumerate(names):
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         start, stop = torch.searchsorted(index, lo), torch.searchsorted(index, hi)
         if stop > start:
-            out[:, start:stop] = grads[path].reshape(batch, -1)[:, index[start:stop] - lo].float()
+            out[:, start:stop] = grads[path].reshape(batch, -1)[:, columns[start:stop] - lo].float()
     return out
 
 
 def per_sample_loop(host: PeftHost, state: TaskVector, data: Dataset, index: torch.Tensor, *, output: int = 0) -> torch.Tensor:
     """The same features by one backward pass per sample (TCT's official code): the reference."""
     with host.loaded(state) as model:
+        device = model_device(model)
+        columns = index.to(device)
         was_training = model.training
         model.eval()
         names = _named(host, model)
@@ -226,9 +238,9 @@ def per_sample_loop(host: PeftHost, state: TaskVector, data: Dataset, index: tor
         try:
             for batch in input_batches(host, data, 1):
                 model.zero_grad(set_to_none=True)
-                model(**batch).logits[0, output].backward()
+                model(**to_device(batch, device)).logits[0, output].backward()
                 flat = torch.cat([live[path].grad.reshape(-1) for path, _ in names])
-                rows.append(flat[index].float())
+                rows.append(flat[columns].float().cpu())
         finally:
             model.zero_grad(set_to_none=True)
             model.train(was_training)

@@ -25,7 +25,7 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
-from hf_fedtask.model.device import autocast, check_mixed_precision, to_cpu
+from hf_fedtask.model.device import autocast, check_mixed_precision, model_device, to_cpu
 from hf_fedtask.model.linearize import LinearizedModel, linearized
 from hf_fedtask.model.quantization import HEAD_MODULES  # other `modules_to_save` (the backbone of "full") are not head
 
@@ -89,7 +89,7 @@ class PeftHost:
     @property
     def device(self) -> torch.device:
         """Where the model computes: every batch goes here."""
-        return next(self.model.parameters()).device
+        return model_device(self.model)
 
     def autocast(self):
         """The context evaluation runs the model in: autocast to the training's mixed precision."""

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_fedtask.errors import FedTaskError
+from hf_fedtask.model.device import to_cpu
 from hf_fedtask.model.tangent_rules import (
     TANGENT_ATTENTION,
     patch_frozen_modules,
@@ -98,7 +99,7 @@ class LinearizedModel(nn.Module):
     network mode, gives frozen layers fused tangent rules (`hf_fedtask.model.tangent_rules`;
     `fused_rules=False` keeps torch's generic formulas, the reference they are tested against;
     `fused_rules=True` with mode 'lora_layers', which has no such rules, is refused); `restore()`
-    undoes both.
+    undoes both. θ_lin lives on the parameters' device and follows them (`.to(device)`).
     """
 
     accepts_loss_kwargs = False  # the loss is computed here, per batch; Trainer must not pass token counts
@@ -121,7 +122,8 @@ class LinearizedModel(nn.Module):
         if missing:
             raise LinearizationError(f"linearization point lacks trainable parameter {missing[0]!r}")
         self.names = sorted(trainable)
-        # θ_lin: frozen copies, deliberately not buffers (never saved with or moved as the model's state)
+        # θ_lin: frozen copies on the parameters' device and in their dtype, deliberately not buffers
+        # (never saved with the model's state); `_apply` moves them along with the parameters
         self.point = {n: point[n].detach().clone().to(trainable[n]) for n in self.names}
         self._patched: list[nn.Module] = []
         if mode == "lora_layers":
@@ -131,6 +133,14 @@ class LinearizedModel(nn.Module):
         self._attention = _attention_of(model)  # switched last: a refused model is left as it was
         if self._attention is not None:
             model.set_attn_implementation(_forward_ad_attention(model, fused))
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)`, `.cuda()`, `.half()`...: θ_lin follows the parameters it is subtracted from
+        (changed in place: the L-LoRA layers read this dict)."""
+        super()._apply(fn, recurse)
+        for n in list(self.point):
+            self.point[n] = fn(self.point[n])
+        return self
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, labels: torch.Tensor | None = None, **inputs) -> SequenceClassifierOutput:
@@ -173,8 +183,9 @@ class LinearizedModel(nn.Module):
             names = sorted(n for n, p in layer.named_parameters() if p.requires_grad)
             if not names:
                 continue  # an inactive adapter's layer copy
-            point = [self.point[f"{prefix}.{n}"] for n in names]
-            layer.forward = _layer_linearizer(layer, names, point)  # instance attribute; restore() deletes it
+            keys = [f"{prefix}.{n}" for n in names]
+            # an instance attribute; restore() deletes it
+            layer.forward = _layer_linearizer(layer, names, self.point, keys)
             self._patched.append(layer)
 
     def restore(self) -> None:
@@ -186,14 +197,15 @@ class LinearizedModel(nn.Module):
 
     # -- the linearization as a task vector ---------------------------------------------------
     def delta(self) -> dict[str, torch.Tensor]:
-        """θ − θ_lin: what the linearized model adds to its linearization point."""
+        """θ − θ_lin: what the linearized model adds to its linearization point (CPU tensors)."""
         live = _trainable(self.model)
-        return {n: (live[n] - self.point[n]).detach().clone() for n in self.names}
+        return {n: to_cpu(live[n] - self.point[n]) for n in self.names}
 
 
-def _layer_linearizer(layer: nn.Module, names: list[str], point: list[torch.Tensor]):
-    """A forward for one LoRA layer: its own first-order expansion in its LoRA weights. The jvp
-    calls the layer again; that inner call runs the class's plain forward, so the layer runs once."""
+def _layer_linearizer(layer: nn.Module, names: list[str], point: Mapping[str, torch.Tensor], keys: list[str]):
+    """A forward for one LoRA layer: its own first-order expansion in its LoRA weights, around
+    `point[k]` for `keys` (read at each call: the point follows the model's device). The jvp calls the
+    layer again; that inner call runs the class's plain forward, so the layer runs once."""
     cls_forward = type(layer).forward
     inside = [False]
 
@@ -202,7 +214,7 @@ def _layer_linearizer(layer: nn.Module, names: list[str], point: list[torch.Tens
             return cls_forward(layer, *args, **kwargs)
         inside[0] = True
         try:
-            out0, dout = _tangent_forward(layer, names, point, args, kwargs)
+            out0, dout = _tangent_forward(layer, names, [point[k] for k in keys], args, kwargs)
         finally:
             inside[0] = False
         return out0 + dout

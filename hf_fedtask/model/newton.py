@@ -9,7 +9,8 @@ against one-hot targets summed over classes and averaged over samples (`OneHotMS
 H·v costs one forward pass with a jvp (J·v) and one backward pass (Jᵀ·), never the P × P matrix;
 `conjugate_gradient` solves (H + λI)·v = g with these products (`GaussNewton`). Vectors are `TaskVector`s of the
 trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and
-the Hessian-free libraries around are unmaintained.
+the Hessian-free libraries around are unmaintained. Batches go to the host model's device; the
+vectors returned are CPU tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.model.host import PeftHost
+from hf_fedtask.model.device import model_device, to_cpu, to_device
 
 
 def _batches(host: PeftHost, data: Dataset, batch_size: int):
@@ -33,8 +35,9 @@ def _batches(host: PeftHost, data: Dataset, batch_size: int):
 
 
 def _gradients(host: PeftHost) -> TaskVector:
+    """The trainable parameters' gradients by saved name, as CPU tensors."""
     params = host.trainable_by_name()
-    return TaskVector({k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+    return TaskVector({k: to_cpu(p.grad) if p.grad is not None else torch.zeros_like(p, device="cpu")
                        for k, p in params.items()})
 
 
@@ -45,9 +48,11 @@ def data_gradient(host: PeftHost, state: TaskVector, point: TaskVector, data: Da
     with host.loaded(state, point) as model:
         model.eval()
         model.zero_grad(set_to_none=True)
+        device = model_device(model)
         total = 0.0
         with torch.enable_grad():
             for inputs, labels in _batches(host, data, batch_size):
+                inputs, labels = to_device(inputs, device), labels.to(device)
                 logits = model(**inputs).logits
                 loss = ((logits - F.one_hot(labels, logits.shape[-1]).to(logits.dtype)) ** 2).sum() / n
                 loss.backward()
@@ -60,7 +65,8 @@ def data_gradient(host: PeftHost, state: TaskVector, point: TaskVector, data: Da
 class GaussNewton:
     """v ↦ H·v over prepared `data`, H the Hessian of D (independent of w for the linearized model).
     Used as a context manager: the model is linearized at `point` and the data collated once, and
-    each product only moves the live parameters to point + v."""
+    each product only moves the live parameters to point + v (the batches are moved to the model's
+    device once, on entering)."""
 
     def __init__(self, host: PeftHost, point: TaskVector, data: Dataset, batch_size: int = 512):
         self.host, self.point, self.n = host, point, len(data)
@@ -71,6 +77,8 @@ class GaussNewton:
         self.model = self._context.__enter__()
         self.model.eval()
         self.params = self.host.trainable_by_name()
+        device = model_device(self.model)
+        self.batches = [to_device(inputs, device) for inputs in self.batches]
         return self
 
     def __exit__(self, *exc) -> None:

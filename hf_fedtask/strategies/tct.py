@@ -364,7 +364,7 @@ class TCT(Strategy):
         if self.phase(state) != STAGE2 or not state.scalars.get("stage2_rounds"):
             return None  # still the stage-1 model (the host evaluates it)
         z = self.compute_features(host, state.vectors[SHARED], task, state.vectors[head_name(task)], data, who="server")
-        return self.linear_logits(state, task, z).argmax(-1).numpy()
+        return self.linear_logits(state, task, z).argmax(-1).cpu().numpy()
 
     def package(self, state: GlobalState, task: str) -> tuple[TaskVector, dict[str, torch.Tensor]] | None:
         """What `hf_fedtask.export.tct.save_tct` writes for `task`: the feature network (θ_{T₁} with the
