@@ -48,7 +48,7 @@ def _named(host: PeftHost, model: torch.nn.Module) -> list[tuple[str, str]]:
     """(module path, saved name) of each trainable parameter, in saved (coordinate) order."""
     saved = host.trainable_by_name()
     by_ptr = {p.data_ptr(): name for name, p in model.named_parameters() if p.requires_grad}
-    order = list(host.state())
+    order = host.state_keys()  # no copy of the parameters off the device
     return [(by_ptr[saved[k].data_ptr()], k) for k in order]
 
 

@@ -109,6 +109,10 @@ class PeftHost:
         sd = get_peft_model_state_dict(self.model, adapter_name=self.model.active_adapter)
         return TaskVector({k: to_cpu(v) for k, v in sd.items()})
 
+    def state_keys(self) -> list[str]:
+        """The saved names `state()` returns, in its order, without copying any tensor."""
+        return list(get_peft_model_state_dict(self.model, adapter_name=self.model.active_adapter))
+
     def load_state(self, state: TaskVector) -> None:
         """Copy `state` (shared keys + head keys, saved naming) into the active adapter; resizes its
         head to the shape in `state`, so tasks with different label counts share one model."""
