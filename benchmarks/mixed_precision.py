@@ -8,7 +8,8 @@ vectors, server state and aggregation stay fp32 (checked: every checkpoint tenso
 
 Printed: each run's mean accuracy and wall time, then per precision the best wall time, the mean
 accuracy's difference from fp32 (goal: within 0.02) and the wall-time ratio fp32 / mixed (above 1:
-mixed precision is faster). On a CPU without native bf16 arithmetic (no AVX512-BF16/AMX), bf16 is
+mixed precision is faster), also as a `RATIO` line. Runs alternate in order from one repetition to the
+next; each builds its environment afresh (tokenization included), so a ratio is of whole runs. On a CPU without native bf16 arithmetic (no AVX512-BF16/AMX), bf16 is
 emulated through fp32 conversions, so a ratio below 1 is what to expect there.
 
     python benchmarks/mixed_precision.py                       # fp32 vs bf16, 3 rounds, once each
@@ -59,7 +60,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-train-samples", type=int)
     parser.add_argument("--max-test-samples", type=int)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--quick", action="store_true", help="1 round on 32 training / 16 test samples per task")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.max_train_samples, args.max_test_samples = 1, 32, 16
 
     import torch
 
@@ -67,8 +71,9 @@ def main(argv=None) -> int:
     print(f"torch threads: {torch.get_num_threads()}; load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf_fedtask_mp_") as tmp:
-        for i in range(args.repeat):
-            for precision in ["no", *args.precisions]:
+        for i in range(args.repeat):  # the order alternates, so neither precision always runs first
+            order = ["no", *args.precisions]
+            for precision in order if i % 2 == 0 else order[::-1]:
                 row = one_run(args, precision, os.path.join(tmp, f"{precision}_{i}"))
                 rows.append(row)
                 print(f"run {i + 1}: {precision:>4}  mean accuracy {row['mean_metric']:.4f}  {row['seconds']:.1f} s  "
@@ -85,6 +90,8 @@ def main(argv=None) -> int:
         acc = sum(r["mean_metric"] for r in mine) / len(mine)
         best = min(r["seconds"] for r in mine)
         print(f"| {precision} | {acc:.4f} | {acc - base_acc:+.4f} | {best:.1f} s | {base_time / best:.2f} |")
+        print(f"RATIO {precision} fp32_time/{precision}_time = {base_time / best:.3f}  accuracy {precision} - fp32 = "
+              f"{acc - base_acc:+.4f} (goal within 0.02)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

