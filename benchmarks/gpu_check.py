@@ -544,30 +544,41 @@ def entk_measure(ctx: Context, label: str, config: dict, batch_size: int) -> dic
             "max_diff": diff, "max_abs": scale, "agree": diff <= 1e-4 * max(scale, 1.0)}
 
 
-def section_entk(ctx: Context) -> dict:
+def measure_each(ctx: Context, jobs: dict, check) -> tuple[dict, list[str]]:
+    """Run each `jobs[label]()` while the budget lasts, a failure recorded and the rest still run;
+    `check(label, result)` names what is wrong with a measurement (None: nothing)."""
     out, problems = {}, []
-    for name in ctx.size["entk_models"]:
+    for label, job in jobs.items():
         if ctx.time_left() < 5:
-            out[name] = {"error": "skipped: out of time"}
+            out[label] = {"error": "skipped: out of time"}
             continue
-        if name.startswith("small-"):  # the package's own hf-fedtask/small-cnn and small-mlp, trained in full
-            config = dict(tasks=["digits"], base_model=f"hf-fedtask/{name}", peft_method="full")
-            label, batch = f"{name}-full/digits", 128
-        else:
-            model = ctx.model(name)
-            config = dict(tasks=suite_tasks(ctx.assets, "builtin-8")[2:3], base_model=str(model),
-                          base_model_id=model_id(model), max_length=ctx.size["max_length"])
-            label, batch = f"{name}-lora/vader_polarity", 64
         try:
-            out[label] = entk_measure(ctx, label, config, batch)
+            out[label] = job()
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc(file=sys.stdout)
             out[label] = {"error": first_line(exc)}
     for label, r in out.items():
-        if "error" in r and "out of time" not in r["error"]:
-            problems.append(f"{label}: {r['error']}")
-        elif "error" not in r and not r["agree"]:
-            problems.append(f"{label}: features differ from the loop's by {r['max_diff']:.2e}")
+        problem = r["error"] if "error" in r else check(label, r)
+        if problem and "out of time" not in problem:
+            problems.append(f"{label}: {problem}")
+    return out, problems
+
+
+def section_entk(ctx: Context) -> dict:
+    def job(name: str):
+        if name.startswith("small-"):  # the package's own hf-fedtask/small-cnn and small-mlp, trained in full
+            config = dict(tasks=["digits"], base_model=f"hf-fedtask/{name}", peft_method="full")
+            return entk_measure(ctx, f"{name}-full/digits", config, 128)
+        model = ctx.model(name)  # built only when its turn comes within the budget
+        config = dict(tasks=suite_tasks(ctx.assets, "builtin-8")[2:3], base_model=str(model),
+                      base_model_id=model_id(model), max_length=ctx.size["max_length"])
+        return entk_measure(ctx, f"{name}-lora/vader_polarity", config, 64)
+
+    labels = {name: f"{name}-full/digits" if name.startswith("small-") else f"{name}-lora/vader_polarity"
+              for name in ctx.size["entk_models"]}
+    jobs = {labels[name]: lambda name=name: job(name) for name in ctx.size["entk_models"]}
+    out, problems = measure_each(ctx, jobs, lambda label, r: None if r["agree"] else
+                                 f"features differ from the loop's by {r['max_diff']:.2e}")
     ratios = ", ".join(f"{k.split('/')[0]} {r['ratio']:.1f}x" for k, r in out.items() if "ratio" in r)
     met = all(r.get("ratio", 0) >= ENTK_GOAL for r in out.values())
     goal = "" if not ctx.cuda else f" (goal >= 10 {'met by all' if met else 'not met by all'})"
@@ -635,21 +646,9 @@ def linearize_measure(ctx: Context, shape: str) -> dict:
 
 
 def section_linearize(ctx: Context) -> dict:
-    out, problems = {}, []
-    for shape in ctx.size["lin_models"]:
-        if ctx.time_left() < 5:
-            out[shape] = {"error": "skipped: out of time"}
-            continue
-        try:
-            out[shape] = linearize_measure(ctx, shape)
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc(file=sys.stdout)
-            out[shape] = {"error": first_line(exc)}
-    for shape, r in out.items():
-        if "error" in r and "out of time" not in r["error"]:
-            problems.append(f"{shape}: {r['error']}")
-        elif "error" not in r and r["grad_diff"] > 1e-4:
-            problems.append(f"{shape}: gradients at the linearization point differ by {r['grad_diff']:.2e}")
+    jobs = {shape: lambda shape=shape: linearize_measure(ctx, shape) for shape in ctx.size["lin_models"]}
+    out, problems = measure_each(ctx, jobs, lambda shape, r: None if r["grad_diff"] <= 1e-4 else
+                                 f"gradients at the linearization point differ by {r['grad_diff']:.2e}")
     ratios = ", ".join(f"{k} {r['ratio']:.2f}" for k, r in out.items() if "ratio" in r)
     met = all(r.get("ratio", 9) <= LINEARIZE_GOAL for r in out.values())
     goal = "" if not ctx.cuda else f" (goal <= 1.5 {'met' if met else 'not met by all'})"

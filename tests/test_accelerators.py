@@ -169,17 +169,19 @@ try:
 except FedTaskError as e:
     print(f"rank {os.environ.get('RANK', 'hidden')} error: {e}", flush=True)
     sys.exit(2)
+from accelerate import PartialState
 print("mean", results["mean_metric"], "processes", results["processes"], flush=True)
+print("trainers", PartialState().distributed_type, flush=True)  # the state the last Trainer built
 """
 
 
-def _torchrun(tmp_path, config: RunConfig, *extra: str) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path, config: RunConfig, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
     import json
 
     script = tmp_path / "launched.py"
     script.write_text(textwrap.dedent(_LAUNCHED))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                            str(script), json.dumps(config.to_dict()), *extra],
                           capture_output=True, text=True, timeout=600, env=env)
 
@@ -193,12 +195,26 @@ def test_two_processes_equal_one_process_tensor_for_tensor(strategy, tiny_bert_d
     proc = _torchrun(tmp_path, launched)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("processes 2") == 2  # every rank returns rank 0's results
+    assert proc.stdout.count("trainers DistributedType.NO") == 2  # each rank's Trainers: single-process loops
     a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     one = [line for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     two = [line for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     strip = lambda line: {k: v for k, v in __import__("json").loads(line).items() if k != "seconds"}  # noqa: E731
     assert [strip(x) for x in one] == [strip(x) for x in two]
+
+
+def test_a_launch_of_one_process_is_a_plain_run(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    """torchrun sets LOCAL_RANK even for one process, which makes Accelerate, and so every Trainer, enter
+    a gloo DDP mode (slower, for nothing): the run hides it, its Trainers stay plain, and it equals a
+    plain run."""
+    config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "plain")
+    run(config)
+    proc = _torchrun(tmp_path, dataclasses.replace(config, output_dir=str(tmp_path / "one")), processes=1)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "trainers DistributedType.NO" in proc.stdout
+    a, b = _tensors(tmp_path / "plain"), _tensors(tmp_path / "one")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_refused_run_ends_every_rank_with_its_line(tiny_bert_dir, tiny_tasks_dir, tmp_path):

@@ -15,6 +15,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 
 from hf_fedtask.client.objectives import Objective
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.model.device import hide_launch_from_trainers
 from hf_fedtask.model.host import PeftHost
 
 
@@ -97,6 +98,9 @@ class LocalTrainer:
         self.host = host
         self.args = args
         self.collator = host.inputs.collator  # pads token ids, stacks pixel_values
+        # a launcher's rank variables (even torchrun's for one process) would put each Trainer into a DDP
+        # group with a distributed sampler; the federation owns the ranks (hf_fedtask.engine.ranks)
+        hide_launch_from_trainers()
         self._scratch = tempfile.TemporaryDirectory(prefix="hf_fedtask_trainer_")
         # Trainer.train() ends in accelerate's free_memory(), a full gc.collect() over every object of
         # the process (~0.3 s with a model and datasets loaded) on each client call. The host model,

@@ -61,7 +61,8 @@ def hide_launch_from_trainers() -> None:
     """Remove the launcher's rank variables from this process's environment (after `launch()` has read
     them): the federation owns the ranks, and each rank's Trainer must stay a single-process loop on
     its own device, training its own clients, instead of joining a DDP group that averages gradients
-    over ranks training different clients."""
+    over ranks training different clients (Accelerate enters one even for a single process whenever
+    LOCAL_RANK is set, as `torchrun --nproc_per_node 1` sets it, and then shards the data loader)."""
     launch()
     for name in LAUNCH_VARIABLES:
         os.environ.pop(name, None)

@@ -101,6 +101,8 @@ class PeftHost:
         classifier = self.model.get_base_model()
         config = copy.deepcopy(classifier.config)
         config.architectures = [type(classifier).__name__]
+        if hasattr(config, "quantization_config"):  # a QLoRA run's base: exports describe the unquantized one
+            del config.quantization_config
         return config
 
     # -- parameters as tensors -------------------------------------------------------------

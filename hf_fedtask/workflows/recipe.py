@@ -66,11 +66,13 @@ def run_recipe(description: str, defaults: dict, presets: dict[str, Path], argv:
     try:
         config = recipe_config(args, defaults, presets, ranks=True)
         results = run(config, resume=args.resume, overwrite=args.overwrite)
-        if launch().rank == 0:  # under a multi-process launch, rank 0 reports (the others return its results)
+        here = launch()
+        if here.rank == 0:  # under a multi-process launch, rank 0 reports (the others return its results)
             print(run_report(config, results))
-            print(resource_report(time.perf_counter() - start))
-            if after is not None:
-                after(config, results)
+        prefix = f"rank {here.rank} of {here.world_size}: " if here.multi_process else ""
+        print(prefix + resource_report(time.perf_counter() - start), flush=True)  # each process its own memory
+        if here.rank == 0 and after is not None:
+            after(config, results)
     except FedTaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
