@@ -243,3 +243,11 @@ def test_flower_simulation_client_resources_reach_flower_as_numbers():
     config = simulation_config_from_json(parsed)
     assert config.client_resources_num_gpus == pytest.approx(0.25)
     assert config.client_resources_num_cpus == 2 and config.num_supernodes == 4
+
+
+def test_resources_are_reported_with_rounded_seconds():
+    from hf_fedtask.workflows.recipe import resource_report
+
+    assert resource_report(359.97).startswith("wall time: 6 min 00.0 s; peak RSS: ")
+    assert resource_report(502.94).startswith("wall time: 8 min 22.9 s; ")
+    assert ("peak GPU memory" in resource_report(1.0)) == (torch.cuda.is_available() and torch.cuda.is_initialized())

@@ -128,7 +128,8 @@ def resource_report(seconds: float) -> str:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     gpu = peak_gpu_memory()
-    return (f"wall time: {int(seconds // 60)} min {seconds % 60:04.1f} s; peak RSS: {peak:.2f} GiB"
+    minutes, rest = divmod(round(seconds, 1), 60)  # rounded first: 359.97 s is 6 min 00.0 s, not 5 min 60.0 s
+    return (f"wall time: {int(minutes)} min {rest:04.1f} s; peak RSS: {peak:.2f} GiB"
             + (f"; peak GPU memory: {gpu / 2**30:.2f} GiB" if gpu is not None else ""))
 
 
