@@ -499,8 +499,8 @@ def entk_measure(ctx: Context, label: str, config: dict, batch_size: int) -> dic
     from hf_fedtask.core.state import SHARED
     from hf_fedtask.core.taskvector import TaskVector
     from hf_fedtask.engine.environment import Environment
-    from hf_fedtask.model.entk import coordinate_subset, entk_features, input_batches, per_sample_loop
     from hf_fedtask.model.device import to_device
+    from hf_fedtask.model.entk import coordinate_subset, entk_features, input_batches, per_sample_loop
 
     s = ctx.size
     env = Environment(RunConfig(num_clients=1, suite=None, device=ctx.device, **config))
@@ -537,7 +537,7 @@ def entk_measure(ctx: Context, label: str, config: dict, batch_size: int) -> dic
           f"{n / f:,.1f} samples/s, per-sample loop {n / lo:,.1f} samples/s, passes alone {n / fl:,.1f} samples/s "
           f"({lo / fl:.2f}x the loop), max |diff| {diff:.2e} (max |feature| {scale:.2e})")
     print(f"RATIO entk/{label} batched/loop samples per second = {ratio:.2f} (goal >= {ENTK_GOAL:g})")
-    del env
+    env = None  # frees the model before the next measurement (closures above read it)
     if ctx.cuda:
         torch.cuda.empty_cache()
     return {"ratio": ratio, "batched_s": f, "loop_s": lo, "passes_s": fl, "n": n, "p": len(index),
@@ -639,7 +639,7 @@ def linearize_measure(ctx: Context, shape: str) -> dict:
           f"max |grad difference| at the linearization point {grad_diff:.2e}")
     print(f"RATIO linearize/{shape} linearized/normal (sdpa) step time = {ratio:.2f} (goal <= {LINEARIZE_GOAL:g})")
     print(f"RATIO linearize/{shape} linearized/normal-eager step time = {ratio_eager:.2f} (no goal)")
-    del model, twin, lin
+    model = twin = lin = None  # frees them before the next measurement
     if ctx.cuda:
         torch.cuda.empty_cache()
     return {"ratio": ratio, "ratio_eager": ratio_eager, "ms": ms, "grad_diff": grad_diff}
@@ -730,7 +730,7 @@ def section_merge(ctx: Context) -> dict:
                         for t in range(n))
     stacked_resc = max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(outputs["unify"].rescalers, st_resc.tolist()))
     outputs.clear()
-    del vectors
+    vectors = None  # frees N·d floats before the next measurement
     if ctx.cuda:
         torch.cuda.empty_cache()
     ratios = {"peft_ties_time/ties_time": times["peft_ties"] / times["ties"],

@@ -14,9 +14,8 @@ from hf_fedtask.errors import ConfigError, FedTaskError
 
 def _run(args) -> int:
     from hf_fedtask.engine.run import run
-    from hf_fedtask.report import run_report
-
     from hf_fedtask.model.device import launch
+    from hf_fedtask.report import run_report
 
     config = config_from_args(args)
     results = run(config, resume=args.resume, overwrite=args.overwrite)

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY_MODEL_ID
+
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.state import SHARED, head_name
 from hf_fedtask.data.task import TaskInfo

@@ -34,6 +34,7 @@ from hf_fedtask.engine.transport import InProcessTransport
 from hf_fedtask.errors import ConfigError, FedTaskError
 from hf_fedtask.model.device import Launch, hide_launch_from_trainers, launch
 
+ACK_WAIT = timedelta(seconds=60)  # for the other ranks to read the end of a run
 WAIT = timedelta(days=30)  # a rank waits as long as rank 0 evaluates or exports; the launcher ends it if rank 0 dies
 _sessions = count()  # each run in this process (a recipe may run several) gets its own keys, in the same order on every rank
 _store = None
@@ -194,6 +195,19 @@ class RankTransport(InProcessTransport):
         seq = next(self._seq)
         for rank in self._others():
             self._send(rank, seq, {"op": "end", "results": results, **(_error(error) if error else {})})
+        _await_acks(self.store, self.session, seq, self._others())
+
+
+def _await_acks(store, session: int, seq: int, ranks: range) -> None:
+    """Wait (a bounded time) until each rank has read the end of the run: a launcher ends every rank as
+    soon as one exits with an error, so rank 0 exiting first would cut the others' last line."""
+    for rank in ranks:
+        key = f"hf_fedtask/{session}/{seq}/from/{rank}"
+        try:
+            store.wait([key], ACK_WAIT)
+            _take(store, key)
+        except Exception:  # noqa: BLE001  (a rank that is gone cannot answer; the run's outcome stands)
+            return
 
 
 def release_ranks(config, error: BaseException) -> None:
@@ -204,6 +218,7 @@ def release_ranks(config, error: BaseException) -> None:
     for rank in range(1, here.world_size):
         _put(store, f"hf_fedtask/{session}/0/to/{rank}", _frame({"op": "end", "results": None, **_error(error),
                                                                "fingerprint": config.fingerprint()}))
+    _await_acks(store, session, 0, range(1, here.world_size))
 
 
 def serve(config) -> dict:
@@ -217,6 +232,7 @@ def serve(config) -> dict:
             raise ConfigError(f"rank {here.rank} was started with another config than rank 0: every rank must run the "
                               "same command")
         if header["op"] == "end":
+            _put(store, f"hf_fedtask/{session}/{seq}/from/{here.rank}", _frame({"ack": True}))
             _raise(header, "rank 0")
             return header["results"]
         if env is None:

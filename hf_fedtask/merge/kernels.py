@@ -39,9 +39,9 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from llvmlite import ir
 from numba.extending import intrinsic
 
 from hf_fedtask.merge.streaming import Layout

@@ -31,8 +31,8 @@ from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.model.host import PeftHost
 from hf_fedtask.model.device import model_device, to_device
+from hf_fedtask.model.host import PeftHost
 
 
 def coordinate_subset(total: int, p: int, seed: int) -> torch.Tensor:

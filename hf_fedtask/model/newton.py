@@ -24,8 +24,8 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.model.host import PeftHost
 from hf_fedtask.model.device import model_device, to_cpu, to_device
+from hf_fedtask.model.host import PeftHost
 
 
 def _batches(host: PeftHost, data: Dataset, batch_size: int):
