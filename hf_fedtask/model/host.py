@@ -27,7 +27,10 @@ from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
 from hf_fedtask.model.device import autocast, check_mixed_precision, model_device, to_cpu
 from hf_fedtask.model.linearize import LinearizedModel, linearized
-from hf_fedtask.model.quantization import HEAD_MODULES  # other `modules_to_save` (the backbone of "full") are not head
+
+HEAD_MODULES = frozenset({"classifier", "score"})
+"""Names of the classification head: what PEFT's SEQ_CLS task type adds to `modules_to_save` and what
+image models name. Other `modules_to_save` (e.g. the backbone for peft_method "full") are not head."""
 
 
 class PeftHost:

@@ -10,10 +10,7 @@ import importlib.util
 import torch
 
 from hf_fedtask.errors import ConfigError
-
-HEAD_MODULES = frozenset({"classifier", "score"})
-"""Names of the classification head: what PEFT's SEQ_CLS task type adds to `modules_to_save` and what
-image models name; a quantized base keeps them in full precision (they are trained and exported)."""
+from hf_fedtask.model.host import HEAD_MODULES  # kept in full precision: the heads are trained and exported
 
 
 def quantization_config(load_in_4bit: bool, load_in_8bit: bool, *, peft_method: str, device: torch.device,
