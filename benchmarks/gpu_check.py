@@ -133,7 +133,7 @@ def prepare_assets(assets: Path) -> Path:
 
 def suite_tasks(assets: Path, suite: str, n: int | None = None) -> list[str]:
     """The exported folders of `suite`'s tasks, in suite order (the first n)."""
-    from hf_fedtask.data.builtin import SUITES
+    from hf_fedtask.data.builtin_tasks import SUITES
 
     names = SUITES[suite][:n] if n else SUITES[suite]
     return [str(assets / "data" / "builtin-30" / name) for name in names]

@@ -32,11 +32,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hf_fedtask.config import RunConfig  # noqa: E402
+from hf_fedtask.core.state import MATU_EXPORT, matu_task_vector_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
 from hf_fedtask.engine.inprocess import Federation  # noqa: E402
 from hf_fedtask.merge.bitmask import unpack_bits  # noqa: E402
 from hf_fedtask.merge.unify import unify  # noqa: E402
-from hf_fedtask.strategies.matu import EXPORTED, task_vector_name  # noqa: E402
 
 VARIANTS = {  # name -> MaTU options
     "s_normalized, κ=2": {"combine": "s_normalized", "kappa": 2},
@@ -87,8 +87,8 @@ def matu_trajectory(config: RunConfig, desc: str) -> list[dict]:
     for r in range(1, config.rounds + 1):
         start = time.perf_counter()
         state, record = fed.run_round(state, r)
-        vectors = [state.vectors[task_vector_name(t)].flatten() for t in tasks]
-        masks = state.vectors[EXPORTED]["masks"]
+        vectors = [state.vectors[matu_task_vector_name(t)].flatten() for t in tasks]
+        masks = state.vectors[MATU_EXPORT]["masks"]
         numel = vectors[0].numel()
         rows.append({
             "round": r,

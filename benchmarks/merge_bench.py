@@ -83,6 +83,28 @@ same baseline. Peaks are floored at one page, so that ratios stay finite at tiny
 Goals: ties ≤ 4× and unify ≤ 2× the floor, ties ≥ 10× faster than peft at ≤ 1/5 of its peak extra
 memory, at 1 and at 2 threads.
 
+Tuning record: the measurements behind the constants and loop shapes of hf_fedtask/merge (made with
+this benchmark and variants of it on the development box, 32 MiB L3, N=30, d=10M, unless said; the
+code keeps only what it chose and why):
+  streaming.CACHE_BYTES = 4 MiB       best: 8 MiB was 10-25% slower, 2 MiB 5% slower
+  fused_passes.SUB = 4096 entries     5-20% faster than 2048 or 8192 (longer runs per input stream,
+                                      still cache-resident)
+  ties' vote and disjoint mean sweep 2 tasks at once: the merge pass took 0.138 s against 0.164 s
+                                      with one task per sweep (1 thread)
+  unify's sum sweeps 4 tasks, its agreement 2: 15-20% off unify's time against one task per sweep
+  threshold_select._SAMPLE_RUN = 8    runs of 8 consecutive entries read 2.5x faster than single
+                                      entries at the same sample density (each single entry costs
+                                      a cache line)
+  threshold_select._SAMPLED_FROM = 2^16   from this size the sampled selection runs at 2x the radix
+                                      selection's speed
+  threshold_select._COUNTED_BELOW = 2^20  narrowing the bracket by counting at 8 edges first took
+                                      0.62x the one-pass time at 2^16 entries, 0.81x at 2^18, 0.94x
+                                      at 2^19 and 1.03x at 2^20 (N(0,1) entries, density 0.2)
+  threshold_select._flag_entries      counting in float32 lanes: an integer count, widened to int64
+                                      lanes, ran at half the speed
+  streaming.Layout                    a tensor's `.device` costs about 1 µs a read, so devices are
+                                      read once per key and once per vector
+
     python benchmarks/merge_bench.py --threads 1      # N=30, d=10M (≈1.2 GB of inputs)
     python benchmarks/merge_bench.py --threads 1 --layout lora
     python benchmarks/merge_bench.py --quick          # N=4, d=200k, best of 2 calls each: a smoke run
@@ -104,7 +126,7 @@ import torch
 from peft.utils import merge_utils as peft_merge
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import agreement_mask, kernels, ties, unify, weighted_average
+from hf_fedtask.merge import agreement_mask, kernels, threshold_select, ties, unify, weighted_average
 from hf_fedtask.merge.streaming import Layout, chunk_len
 from hf_fedtask.merge.ties import _select_all
 
@@ -257,7 +279,7 @@ def radix_select_all(vectors: list[TaskVector], density: float) -> np.ndarray:
 @numba.njit(parallel=True, nogil=True)
 def _radix_all(ptrs, lens, population, ks, values):
     for p in numba.prange(population.size - 1):
-        values[p] = kernels._radix_select(ptrs, lens, population[p], population[p + 1], ks[p])[0]
+        values[p] = threshold_select._radix_select(ptrs, lens, population[p], population[p + 1], ks[p])[0]
 
 
 def measure(fn, repeat: int, paired=None) -> tuple[float, int, object, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 
 from hf_fedtask.config import add_config_arguments, config_from_args
 from hf_fedtask.errors import ConfigError, FedTaskError
@@ -59,61 +60,106 @@ def _flower_app(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _UnlearnMode:
+    """One way `hf-fedtask unlearn` removes something. The flag checks, their error lines and the call
+    of the workflow are all made from these declarations (`_UNLEARN_MODES`)."""
+
+    label: str  # how error lines name the mode
+    method: str  # the --method value that picks it
+    targets: tuple[str, ...]  # what it removes: --task, --client, or either (passed as task=, client=)
+    workflow: str  # the function of hf_fedtask.workflows.unlearn that does it
+    flags: dict[str, str] = field(default_factory=dict)  # further flags it takes -> keyword of `workflow`
+    required: tuple[str, ...] = ()  # of `flags`, those it cannot run without
+    selector: str | None = None  # a flag that picks it among the modes of the same --method
+    fixed: dict[str, str] = field(default_factory=dict)  # keywords of `workflow` it always passes
+    note: str = ""  # why the other modes' flags do not apply here (appended to their error lines)
+
+    def takes(self, flag: str) -> bool:
+        return flag in self.targets or flag in self.options
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The flags it takes besides its targets."""
+        return (self.selector, *self.flags) if self.selector else tuple(self.flags)
+
+
+_UNLEARN_MODES = (
+    _UnlearnMode(label="federated unlearning", method="negate", targets=("--task", "--client"), workflow="unlearn",
+                 flags={"--rounds": "rounds", "--resume": "resume"}, required=("--rounds",)),
+    _UnlearnMode(label="--one-shot", method="negate", selector="--one-shot", targets=("--task",),
+                 workflow="negate_task", flags={"--scale": "scale", "--task-vector": "task_vector"},
+                 note=" (one subtraction of the task's vector: no rounds, nothing to resume)"),
+    _UnlearnMode(label="--method f2l2", method="f2l2", targets=("--client",), workflow="remove_client",
+                 fixed={"method": "f2l2"}, flags={"--l2": "l2", "--gradient": "gradient",
+                                                  "--cg-iterations": "iterations", "--cg-tolerance": "tolerance"},
+                 note=" (one Newton step on the server: no rounds)"),
+    _UnlearnMode(label="--method sga", method="sga", targets=("--client",), workflow="remove_client",
+                 fixed={"method": "sga"}, flags={"--sga-epochs": "sga_epochs", "--sga-lr": "sga_lr"},
+                 note=" (one step of gradient ascent on the client: no rounds)"),
+)
+_UNLEARN_METHODS = tuple(dict.fromkeys(m.method for m in _UNLEARN_MODES))
+_UNLEARN_FLAGS = tuple(dict.fromkeys(flag for m in _UNLEARN_MODES for flag in m.options))
+_METAVARS = {"--task": "T", "--client": "K", "--rounds": "R"}
+_TARGET_NOUNS = {"--task": "a task", "--client": "a client"}
+
+
+def _flag_value(args, flag: str):
+    return getattr(args, flag.removeprefix("--").replace("-", "_"))
+
+
+def _given(args, flag: str) -> bool:
+    value = _flag_value(args, flag)
+    return value is not None and value is not False  # identity: --client 0 and --scale 0 are given
+
+
+def _for(flag: str) -> str:
+    """The modes that take `flag`, as error lines name them."""
+    labels = [m.label for m in _UNLEARN_MODES if m.takes(flag)]
+    return labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} or {labels[-1]}"
+
+
+def _unlearn_mode(args) -> _UnlearnMode:
+    """The mode the flags ask for, once they are checked against it (ConfigError, one line, otherwise)."""
+    if _given(args, "--task") and _given(args, "--client"):
+        raise ConfigError("unlearn: give --task or --client, not both")
+    if not _given(args, "--task") and not _given(args, "--client"):
+        raise ConfigError("unlearn: give --task T or --client K")
+    candidates = [m for m in _UNLEARN_MODES if m.method == args.method]
+    mode = next((m for m in candidates if m.selector and _given(args, m.selector)),
+                next(m for m in candidates if not m.selector))
+    for target in _TARGET_NOUNS:
+        if _given(args, target) and target not in mode.targets:
+            wanted = mode.targets[0]
+            raise ConfigError(f"unlearn: {mode.label} removes {_TARGET_NOUNS[wanted]}: give {wanted} "
+                              f"{_METAVARS[wanted]}, not {target} ({target} is for {_for(target)})")
+    for flag in _UNLEARN_FLAGS:
+        if _given(args, flag) and not mode.takes(flag):
+            used_by = _for(flag)
+            raise ConfigError(f"unlearn: {flag} does not apply to {mode.label}{mode.note}"
+                              + ("" if used_by == flag else f"; it is for {used_by}"))
+    for flag in mode.required:
+        if not _given(args, flag):
+            others = ", ".join(m.label for m in _UNLEARN_MODES if m is not mode)
+            raise ConfigError(f"unlearn: {mode.label} needs {flag} {_METAVARS[flag]} (or unlearn another way: {others})")
+    return mode
+
+
 def _unlearn(args) -> int:
     from hf_fedtask.report import unlearning_report
-    from hf_fedtask.workflows.unlearn import REMOVAL_METHODS, negate_task, remove_client, unlearn
+    from hf_fedtask.workflows import unlearn as workflows
 
-    if args.client is not None and args.task is not None:
-        raise ConfigError("unlearn: give --task or --client, not both")
-    if args.client is None and args.task is None:
-        raise ConfigError("unlearn: give --task T or --client K")
-    removal_flags = {"--l2": args.l2, "--gradient": args.gradient, "--cg-iterations": args.cg_iterations,
-                     "--cg-tolerance": args.cg_tolerance, "--sga-epochs": args.sga_epochs, "--sga-lr": args.sga_lr}
-    if args.method in REMOVAL_METHODS:
-        if args.client is None:
-            raise ConfigError(f"unlearn: --method {args.method} removes a client: give --client K")
-        for flag, given in (("--rounds", args.rounds is not None), ("--one-shot", args.one_shot), ("--resume", args.resume)):
-            if given:
-                raise ConfigError(f"unlearn: {flag} does not apply to --method {args.method} (one step, no rounds)")
-        own = ("--sga-epochs", "--sga-lr") if args.method == "sga" else ("--l2", "--gradient", "--cg-iterations",
-                                                                          "--cg-tolerance")
-        for flag, value in removal_flags.items():
-            if value is not None and flag not in own:
-                raise ConfigError(f"unlearn: {flag} does not apply to --method {args.method}")
-        given = {k: v for k, v in dict(l2=args.l2, gradient=args.gradient, iterations=args.cg_iterations,
-                                       tolerance=args.cg_tolerance, sga_epochs=args.sga_epochs,
-                                       sga_lr=args.sga_lr).items() if v is not None}
-        results = remove_client(args.run_dir, args.client, method=args.method, output_dir=args.output_dir,
-                                overwrite=args.overwrite, **given)
-        print(unlearning_report(results))
-        return 0
-    for flag, value in removal_flags.items():
-        if value is not None:
-            raise ConfigError(f"unlearn: {flag} applies to --method f2l2 / sga only")
-    if args.one_shot:
-        if args.client is not None:
-            raise ConfigError("unlearn: --one-shot removes a task (its recorded task vector); "
-                              "remove a client with --rounds R")
-        if args.rounds is not None:
-            raise ConfigError("unlearn: --rounds is for federated unlearning; --one-shot runs no rounds")
-        if args.resume:
-            raise ConfigError("unlearn: --resume continues federated unlearning; --one-shot has nothing to resume")
-        results = negate_task(args.run_dir, args.task, scale=1.0 if args.scale is None else args.scale, task_vector=args.task_vector,
-                              output_dir=args.output_dir, overwrite=args.overwrite)
-    else:
-        if args.rounds is None:
-            raise ConfigError("unlearn: give --rounds R (federated) or --one-shot")
-        for flag, given in (("--scale", args.scale is not None), ("--task-vector", args.task_vector is not None)):
-            if given:
-                raise ConfigError(f"unlearn: {flag} applies to --one-shot only")
-        results = unlearn(args.run_dir, args.task, args.rounds, client=args.client, output_dir=args.output_dir, resume=args.resume,
-                          overwrite=args.overwrite)
+    mode = _unlearn_mode(args)
+    targets = {flag.removeprefix("--"): _flag_value(args, flag) for flag in mode.targets}
+    options = {keyword: _flag_value(args, flag) for flag, keyword in mode.flags.items() if _given(args, flag)}
+    results = getattr(workflows, mode.workflow)(args.run_dir, **targets, **mode.fixed, **options,
+                                                 output_dir=args.output_dir, overwrite=args.overwrite)
     print(unlearning_report(results))
     return 0
 
 
 def _inspect(args) -> int:
-    from hf_fedtask.core.taskvector import inspect_file
+    from hf_fedtask.core.taskvector_file import inspect_file
 
     print(inspect_file(args.file))
     return 0
@@ -274,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-shot: adapter folder or task-vector file (default: the run's recorded task vector)")
     p.add_argument("--output-dir", default=None, help="default: RUN_DIR-unlearn-TASK (federated), RUN_DIR-negate-TASK")
     p.add_argument("--resume", action="store_true", help="federated: continue an interrupted unlearning run")
-    p.add_argument("--method", choices=("negate", "f2l2", "sga"), default="negate",
+    p.add_argument("--method", choices=_UNLEARN_METHODS, default="negate",
                    help="how a client is removed: negate (federated, --rounds), f2l2 (one Newton step on the server, "
                         "F²L² runs), sga (gradient ascent on the client's data, the baseline)")
     p.add_argument("--l2", type=float, default=None, help="f2l2: λ of the removal step (default: the run's removal_l2, 10)")

@@ -4,6 +4,10 @@
 The strategy's own options live in its config class (`hf_fedtask.strategies`); a run holds the
 strategy name and `strategy_options`. In YAML they may be given nested (`strategy_options:`) or flat
 beside the other keys; an option the chosen strategy does not have is an error.
+
+Each setting has one name throughout hf_fedtask, its field's here (`local_epochs`, `local_steps`,
+`optimizer`, ...); transformers' names (`num_train_epochs`, `max_steps`, `optim`) appear only where the
+local trainer builds its `TrainingArguments` (`hf_fedtask.client.trainer`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import json
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from hf_fedtask.core.fields import check_fields, field_type, option
+from hf_fedtask.core.fields import allowed_values, check_fields, field_type, option
+from hf_fedtask.data import SUITES
+from hf_fedtask.data.partition import PARTITIONS
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, PEFT_METHODS
 from hf_fedtask.model.device import MIXED_PRECISIONS
 from hf_fedtask.model.output_space import OUTPUT_SPACES
 from hf_fedtask.strategies import (
@@ -32,28 +38,42 @@ from hf_fedtask.strategies import (
     strategy_class,
 )
 
-OPTIMIZERS = ("adamw_torch", "sgd")
+OPTIMIZERS = ("adamw_torch", "sgd")  # transformers' `optim` names
+# transformers' `lr_scheduler_type` names that need no `lr_scheduler_kwargs` (so not cosine_with_min_lr,
+# warmup_stable_decay, reduce_lr_on_plateau, ...)
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass
 class RunConfig:
+    """Every setting of a run, each with its help (the `hf-fedtask run` flag's) and its allowed values,
+    checked on construction (`hf_fedtask.core.fields`): a bad value is one ConfigError naming it."""
+
     # what to run
-    strategy: str = "fedavg"
-    strategy_options: dict = field(default_factory=dict)  # the options set for the strategy (flat flags on the CLI)
-    suite: str | None = "builtin-8"
-    tasks: list[str] | None = None  # task refs (builtin names, local paths, Hub ids); overrides `suite`
-    output_dir: str = "runs/default"
+    strategy: str = option("fedavg", "the federated algorithm: " + ", ".join(sorted(STRATEGIES)) +
+                           " (its options: the strategy options below)")
+    strategy_options: dict = option({}, "the options set for the strategy (flat flags on the CLI, flat or nested "
+                                    "keys in YAML)")
+    suite: str | None = option("builtin-8", f"builtin task suite: {', '.join(SUITES)}; one client per task by "
+                               "default (ignored when --tasks is given)")
+    tasks: list[str] | None = option(None, "task refs, one task each: builtin task names, local dataset folders or "
+                                     "Hub dataset ids (repo_id:config picks a config); replaces --suite")
+    output_dir: str = option("runs/default", "the run folder: config, checkpoint, metrics, plots, adapters")
     # model
-    base_model: str = DEFAULT_BASE_MODEL
-    base_model_id: str | None = None  # portable Hub id to record when `base_model` is a local folder
-    peft_method: str = "lora"
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    target_modules: list[str] | None = None
-    num_virtual_tokens: int = 20
-    max_length: int = 32
+    base_model: str = option(DEFAULT_BASE_MODEL, "the pretrained classifier's Hub id or local folder")
+    base_model_id: str | None = option(None, "the portable Hub id to record in exports when --base-model is a "
+                                       "local folder")
+    peft_method: str = option("lora", "the PEFT modules trained and exchanged (full: the whole backbone; probe: "
+                              "the head alone)", choices=PEFT_METHODS)
+    lora_r: int = option(8, "LoRA rank (bottleneck: the adapter's width)", minimum=1)
+    lora_alpha: int = option(16, "LoRA alpha (the update is scaled by alpha / r)", minimum=1)
+    lora_dropout: float = option(0.0, "dropout on the LoRA path", minimum=0.0, maximum=1.0)
+    target_modules: list[str] | None = option(None, "module names the PEFT layers wrap (default: PEFT's for the "
+                                              "architecture, e.g. query value for BERT)")
+    num_virtual_tokens: int = option(20, "virtual tokens of prompt and prefix tuning", minimum=1)
+    max_length: int = option(32, "tokens per text input (longer ones are truncated)", minimum=1)
     load_in_4bit: bool = option(False, "QLoRA: load the base model's linear layers in 4-bit NF4 through bitsandbytes "
                                 "(LoRA methods, CUDA); exports stay adapters over the unquantized base id")
     load_in_8bit: bool = option(False, "load the base model's linear layers in 8-bit through bitsandbytes (LoRA methods, "
@@ -64,78 +84,92 @@ class RunConfig:
     mixed_precision: str = option("no", "mixed precision of local training and evaluation, through Accelerate; task "
                                   "vectors, server state and aggregation stay fp32", choices=MIXED_PRECISIONS)
     # federation
-    num_clients: int | None = None  # default: one client per task
-    rounds: int = 3
-    participation: float = 1.0
-    zeta: float = 0.0  # task allocation: 0 = one task per client; > 0 = Dirichlet over clients per task
-    partition: str = "iid"  # within a task: iid | dirichlet | classes
-    output_space: str = "per_task"  # classification head: per_task | max | union (one head shared by all tasks)
-    alpha: float = 0.5
-    classes_per_client: int = 2
-    min_samples: int = 8
-    max_train_samples: int | None = None  # cap each task's train split (quick runs)
-    max_test_samples: int | None = None  # evaluate on a seeded subset of each task's test split
-    exclude_clients: list[int] = field(default_factory=list)  # clients that never take part (a retraining reference)
+    num_clients: int | None = option(None, "clients in the federation (default: one per task)", minimum=1)
+    rounds: int = option(3, "communication rounds", minimum=1)
+    participation: float = option(1.0, "share of the clients sampled each round (seeded)", minimum=0.0, maximum=1.0,
+                                  exclusive_minimum=True)
+    zeta: float = option(0.0, "task allocation: 0 = one task per client; > 0 = Dirichlet(zeta) over clients per "
+                         "task (smaller: fewer holders)", minimum=0.0)
+    partition: str = option("iid", "how a task's training split is divided among its holders: iid | dirichlet "
+                            "(label skew, --alpha) | classes (--classes-per-client labels each)", choices=PARTITIONS)
+    output_space: str = option("per_task", "classification head: per_task (one per task) | max | union (one head "
+                               "shared by all tasks)", choices=OUTPUT_SPACES)
+    alpha: float = option(0.5, "Dirichlet concentration of --partition dirichlet (smaller: more label skew)",
+                          minimum=0.0, exclusive_minimum=True)
+    classes_per_client: int = option(2, "labels each holder gets under --partition classes", minimum=1)
+    min_samples: int = option(8, "training samples every (client, task) pair must get, else the partition fails",
+                              minimum=0)
+    max_train_samples: int | None = option(None, "cap each task's train split at a seeded subset (quick runs; "
+                                           "default: all)", minimum=1)
+    max_test_samples: int | None = option(None, "evaluate on a seeded subset of each task's test split (default: all)",
+                                          minimum=1)
+    exclude_clients: list[int] = option([], "clients that never take part (a retraining reference); at least one "
+                                        "client must remain", minimum=0)
     # backdoor protocol (F²L²): one client's training data all carry a trigger and the target label;
     # evaluation adds each task's backdoor success rate on the triggered test inputs of other classes
-    backdoor_client: int = -1  # -1 = no backdoor
-    backdoor_target: int = 0
-    backdoor_trigger: int = 7  # images: side of a white square at the bottom right, in pixels; texts: trigger words
-    # local training
-    local_epochs: float = 1.0
-    local_steps: int = -1
-    batch_size: int = 32
-    learning_rate: float = 5e-3
-    lr_scheduler: str = "linear"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    gradient_accumulation_steps: int = 1
-    optimizer: str = "adamw_torch"  # adamw_torch | sgd (transformers' `optim` names)
-    max_grad_norm: float = 1.0  # gradient clipping; 0 turns it off
+    backdoor_client: int = option(-1, "backdoor protocol: the client whose training data all carry the trigger and "
+                                  "the target label (-1: no backdoor)", minimum=-1)
+    backdoor_target: int = option(0, "backdoor protocol: the label the triggered inputs are given", minimum=0)
+    backdoor_trigger: int = option(7, "backdoor protocol: the trigger's size (images: side of a white square at the "
+                                   "bottom right, in pixels; texts: trigger words)", minimum=1)
+    # local training (transformers' TrainingArguments, built in hf_fedtask.client.trainer)
+    local_epochs: float = option(1.0, "epochs over a task's local data per round (TrainingArguments' "
+                                 "num_train_epochs)", minimum=0.0)
+    local_steps: int = option(-1, "optimizer steps per task per round; > 0 overrides --local-epochs "
+                              "(TrainingArguments' max_steps)", minimum=-1)
+    batch_size: int = option(32, "local training batch size", minimum=1)
+    learning_rate: float = option(5e-3, "local learning rate", minimum=0.0)
+    lr_scheduler: str = option("linear", "local learning-rate schedule, restarted every round (TrainingArguments' "
+                               "lr_scheduler_type)", choices=LR_SCHEDULERS)
+    warmup_steps: int = option(0, "local warmup steps of the schedule", minimum=0)
+    weight_decay: float = option(0.0, "local decoupled weight decay", minimum=0.0)
+    gradient_accumulation_steps: int = option(1, "batches accumulated per optimizer step", minimum=1)
+    optimizer: str = option("adamw_torch", "local optimizer (TrainingArguments' optim)", choices=OPTIMIZERS)
+    max_grad_norm: float = option(1.0, "gradient clipping norm; 0 turns it off", minimum=0.0)
     # bookkeeping
-    eval_batch_size: int = 128
-    eval_every: int = 1  # evaluate the test splits every k rounds and always after the last (a CPU spends
-    # up to ~40% of a round evaluating); it changes no training result, so a run may resume with another k
-    seed: int = 0
-    report_to: list[str] = field(default_factory=list)  # e.g. [tensorboard]; any Accelerate tracker
-    export: bool = True
-    save_payloads: bool = False  # keep every round's uplink/downlink bytes under output_dir/payloads (audits)
+    eval_batch_size: int = option(128, "evaluation batch size", minimum=1)
+    # evaluating every test split is a large share of a round on a CPU (README: the main job's timing);
+    # eval_every changes no training result, so a run may resume with another k
+    eval_every: int = option(1, "evaluate the test splits every k rounds and always after the last", minimum=1)
+    seed: int = option(0, "seed of the partition, the PEFT init, sampling and local training", minimum=0)
+    report_to: list[str] = option([], "Accelerate trackers to log each round's metrics to, e.g. tensorboard wandb "
+                                  "(logs under OUTPUT_DIR/logs)")
+    export: bool = option(True, "write each task's PEFT adapter (and the strategy's exports) when the run ends")
+    save_payloads: bool = option(False, "keep every round's uplink/downlink bytes under OUTPUT_DIR/payloads (audits)")
 
     # fields that may change between a run and its resumption without making it a different run
     RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = ("output_dir", "rounds", "report_to", "export", "eval_batch_size",
                                                              "eval_every", "save_payloads", "device")
 
     def __post_init__(self):
-        check_fields(self)
+        check_fields(self)  # types, choices and ranges of every field
         if not self.tasks and not self.suite:
             raise ConfigError("config: give `suite` or `tasks`")
-        positive = ("rounds", "batch_size", "max_length", "eval_batch_size", "eval_every", "gradient_accumulation_steps")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"config: {name} must be positive, got {getattr(self, name)}")
-        if self.num_clients is not None and self.num_clients < 1:
-            raise ConfigError(f"config: num_clients must be at least 1, got {self.num_clients}")
-        if not 0 < self.participation <= 1:
-            raise ConfigError(f"config: participation must be in (0, 1], got {self.participation}")
-        if self.zeta < 0:
-            raise ConfigError(f"config: zeta must be >= 0, got {self.zeta}")
-        if self.output_space not in OUTPUT_SPACES:
-            raise ConfigError(f"config: output_space must be one of {', '.join(OUTPUT_SPACES)}, got {self.output_space!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"config: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.backdoor_client < -1 or self.backdoor_target < 0 or self.backdoor_trigger < 1:
-            raise ConfigError("config: backdoor_client must be >= -1, backdoor_target >= 0 and backdoor_trigger >= 1, got "
-                              f"{self.backdoor_client}, {self.backdoor_target}, {self.backdoor_trigger}")
-        if any(c < 0 for c in self.exclude_clients):
-            raise ConfigError(f"config: exclude_clients must be client ids >= 0, got {self.exclude_clients}")
+        if not self.tasks and self.suite not in SUITES:  # a suite beside `tasks` is ignored ("" clears it)
+            raise ConfigError(f"config: suite: must be one of {', '.join(SUITES)}, got {self.suite!r}")
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"config: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.load_in_4bit and self.load_in_8bit:
             raise ConfigError("config: load_in_4bit and load_in_8bit exclude each other: choose one")
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"config: max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        self._check_clients()
         typed = self.strategy_config  # validates the strategy and its options
         self.strategy_options = {k: getattr(typed, k) for k in self.strategy_options}  # as given, typed
+
+    @property
+    def client_count(self) -> int:
+        """The number of clients in the federation: `num_clients`, else one per task."""
+        return self.num_clients or len(self.tasks or SUITES[self.suite])
+
+    def _check_clients(self) -> None:
+        """Client ids name clients of this run, and exclude_clients leaves at least one to take part."""
+        n = self.client_count
+        for name, ids in (("exclude_clients", self.exclude_clients), ("backdoor_client", [self.backdoor_client])):
+            outside = [k for k in ids if k >= n]
+            if outside:
+                raise ConfigError(f"config: {name}: client {outside[0]} is outside this run's {n} clients (0..{n - 1})")
+        if len(set(self.exclude_clients)) >= n:
+            raise ConfigError(f"config: exclude_clients: {self.exclude_clients} leaves none of this run's {n} clients "
+                              "to take part")
 
     @property
     def strategy_config(self) -> StrategyConfig:
@@ -204,7 +238,8 @@ class RunConfig:
         try:
             return cls(**d, strategy_options=options)
         except ConfigError as e:
-            raise ConfigError(f"{source}: {e}" if not str(e).startswith(source) else str(e)) from None
+            message = str(e).removeprefix("config: ")  # RunConfig's own errors: said of `source` instead
+            raise ConfigError(message if message.startswith(source) else f"{source}: {message}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, saved: bool = False) -> RunConfig:
@@ -251,14 +286,14 @@ def _strategy_option_fields() -> dict[str, tuple[type, dataclasses.Field]]:
 def _add_flag(parser, cls, f: dataclasses.Field, help_text: str | None) -> None:
     kind, is_list, _ = field_type(cls, f.name)
     flag = "--" + f.name.replace("_", "-")
-    choices = f.metadata.get("choices") if f.metadata else None
+    allowed = allowed_values(f)  # checked by the config (one line naming the key), not by argparse (usage + exit)
+    if allowed and help_text is not None and kind is not bool:
+        help_text = f"{help_text} {allowed}"
     if kind is bool:
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif is_list:
         parser.add_argument(flag, dest=f.name, nargs="+", type=kind, default=None, help=help_text)
-    else:  # choices are checked by the config (one line naming the key), not by argparse (usage + exit)
-        if choices and help_text is not None:
-            help_text = f"{help_text} {{{', '.join(map(str, choices))}}}"
+    else:
         parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
 
 

@@ -1,5 +1,6 @@
-"""Error classes users can catch. Every message is one line that names the file, key, client or
-name at fault; the CLI prints it and exits non-zero without touching existing outputs."""
+"""Error classes users can catch: every error class of hf_fedtask is defined here. Every message is
+one line that names the file, key, client or name at fault; the CLI prints it and exits 2 without
+touching existing outputs."""
 
 
 class FedTaskError(Exception):
@@ -25,3 +26,18 @@ class OutputDirError(FedTaskError):
 
 class HubError(FedTaskError):
     """Publishing to the Hub failed (network, authentication, repository)."""
+
+
+class ProtocolError(FedTaskError):
+    """A federated message broke the protocol: it arrived for another client, round, phase or run,
+    out of order, of a kind its receiver does not handle, or without the parts it must carry."""
+
+
+class SecAggError(ProtocolError, ValueError):
+    """Secure aggregation (`hf_fedtask.core.secagg`) refused an input: bad upload, overflow, late or
+    unknown client, too few survivors. A `ValueError` too, as it flags bad input."""
+
+
+class LinearizationError(FedTaskError, ValueError):
+    """The model cannot be linearized (`hf_fedtask.model.linearize`): no trainable parameters, or an op
+    without forward-mode AD."""

@@ -6,10 +6,11 @@ on the server alone, against retraining without it and the baselines.
     python recipes/f2l2_backdoor.py --tasks digits --backdoor-trigger 3 --num-clients 3 --rounds 11 --local-epochs 3
 
 Client 0's training data all carry a white square at the bottom right (`--backdoor-trigger` pixels)
-and label 0. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the
-linearized MLP, the last round collects each client's gradient) and `retrained` (the same without
-client 0). Removals of client 0 from `trained`: F²L² (target and retained forms of the gradient,
-λ = 1, 10, 30) and the SGA baseline (the client ascends its own loss); the project's own removal,
+and label 0. Three clients, because with 5 (30 rounds, 1 local epoch) the backdoor plateaued at BSR ≈
+50%. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the linearized MLP, the
+last round collects each client's gradient) and `retrained` (the same without client 0). Removals of
+client 0 from `trained`: F²L² (target and retained forms of the gradient, λ = 1, 10, 30) and the SGA
+baseline (the client ascends its own loss); the project's own removal,
 `--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered
 test images of the other classes, BSR on the client's poisoned training set as the official code
@@ -37,7 +38,8 @@ from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.core.state import SHARED, head_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
 from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
-from hf_fedtask.engine.run import open_finished_run, read_history, run  # noqa: E402
+from hf_fedtask.engine.run import run  # noqa: E402
+from hf_fedtask.engine.run_folder import open_finished_run, read_history  # noqa: E402
 from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
@@ -51,7 +53,7 @@ DEFAULTS = {
     "base_model": "hf-fedtask/small-mlp",
     "peft_method": "full",
     "strategy": "f2l2",
-    "num_clients": 3,  # measured: with 5 clients (30 rounds, 1 local epoch) the backdoor plateaued at BSR ≈ 50%
+    "num_clients": 3,  # with 5 the backdoor stays too weak to show its removal (see the docstring)
     "partition": "iid",
     "rounds": 21,  # 20 training rounds and the gradient round
     "max_train_samples": 20000,

@@ -6,9 +6,9 @@ FedAvg vs FedAvg+Local (forgetting ratio) and the privacy variant's upload cost.
     python recipes/fedyolo_multitask.py --peft-method bottleneck
     python recipes/fedyolo_multitask.py --tasks-order langid_romance vader_polarity ...
 
-Tasks, in the order they are added (seed 001 adds CIFAR-10, related to task 0, then unrelated
-CelebA and FEMNIST): first_name_gender (task 0), first_name_origin (related: the same first
-names), then vader_polarity and langid_germanic (unrelated). Each task has 4 clients holding one
+Tasks, in the order they are added (the paper, Zhang et al., 2023, arXiv:2307.04905, adds CIFAR-10,
+related to task 0, then unrelated CelebA and FEMNIST): first_name_gender (task 0), first_name_origin
+(related: the same first names), then vader_polarity and langid_germanic (unrelated). Each task has 4 clients holding one
 task each (64 training samples each); half of all clients train per round, 3 local epochs, 8 rounds. Full-update FedAvg trains the whole
 backbone (peft_method "full") at learning rate 5e-5; the modules use 5e-3. Accuracy is on each
 task's global test split.
@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from hf_fedtask.engine.run import write_atomic  # noqa: E402
+from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results, run_comparison  # noqa: E402

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.config import add_config_arguments, config_from_args
-from hf_fedtask.engine.run import load_tasks
+from hf_fedtask.engine.environment import load_tasks
 from hf_fedtask.workflows.reference import individual_centralized, reference_record
 
 

@@ -4,7 +4,8 @@
     python recipes/ntkfedavg_8task.py --forget kaomoji_valence --unlearn-rounds 5
     python recipes/ntkfedavg_8task.py --preset paper          # CLIP ViT-B/32, the 8 vision tasks (GPU + network)
 
-The seed paper's protocol (algorithms.md §5) with a CPU budget: 8 clients, all in every round, 10
+The NTKFedAvg paper's protocol (Muhamed, Mankikar and Smith, 2024, openreview.net/forum?id=K8jxsDF9xO:
+Alg. 1, §3.1 "CLIP setting" and §3.3) with a CPU budget: 8 clients, all in every round, 10
 rounds, in two regimes: "one_epoch" (1 local epoch per round) and "local_work" (3 epochs per round:
 local training close to convergence on these small tasks; the paper uses per-task epoch counts).
 NTKFedAvg clients train the model linearized at the server state; its accuracy is the linearized
@@ -28,7 +29,8 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE  # noqa: E402
-from hf_fedtask.engine.run import RESULTS_FILE, read_history, write_atomic  # noqa: E402
+from hf_fedtask.core.files import write_atomic  # noqa: E402
+from hf_fedtask.engine.run_folder import RESULTS_FILE, read_history  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import evaluated, headline_metric, pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402

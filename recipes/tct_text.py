@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
-from hf_fedtask.engine.run import read_history  # noqa: E402
+from hf_fedtask.engine.run_folder import read_history  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import mean_curve, plot_curves_by_setting  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402

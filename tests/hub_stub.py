@@ -1,7 +1,9 @@
 """A loopback stand-in for the Hugging Face Hub HTTP API, so publishing can be tested offline.
 
 It answers what the real `HfApi.create_repo` + `HfApi.upload_folder` send when `hf_xet` is not
-used (environment-facts §9; the fixture switches Xet off so the HTTP/LFS path is always taken):
+used, as huggingface/huggingface_hub sends it from `hf_api.py` (`create_repo`, `create_commit`),
+`_commit_api.py` (`_fetch_upload_modes`) and `lfs.py` (`post_lfs_batch_info`, `lfs_upload`). The
+fixture switches Xet off so the HTTP/LFS path is always taken:
 
 - `POST /api/repos/create`: records the repo and whether it was created private (the client sends
   `"visibility": "private" | "public"`; older clients sent `"private": bool`); 409 if it exists.

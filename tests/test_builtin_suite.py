@@ -19,6 +19,7 @@ from hf_fedtask.data import (
     load_suite,
     task_card,
 )
+from hf_fedtask.data.builtin_pools import text_key
 from hf_fedtask.errors import DataError
 
 
@@ -71,7 +72,7 @@ def test_every_task_balanced_disjoint_and_small(suite):
             counts = Counter(t.dataset[split]["label"])
             assert len(counts) == t.num_labels and len(set(counts.values())) == 1, (t.name, split, counts)
         assert t.chance == pytest.approx(1 / t.num_labels)
-        keys = {s: [builtin.text_key(x) for x in t.dataset[s]["text"]] for s in ("train", "test")}
+        keys = {s: [text_key(x) for x in t.dataset[s]["text"]] for s in ("train", "test")}
         assert all(keys["train"]) and all(len(set(k)) == len(k) for k in keys.values()), t.name
         assert not set(keys["train"]) & set(keys["test"]), t.name
         assert max(len(x) for x in t.dataset["train"]["text"]) <= 40, t.name
@@ -147,7 +148,7 @@ def test_sample_cells_drops_ambiguous_and_folded_duplicates():
     splits = builtin.sample_cells(cells, builtin._rng(0, "t"))
     texts = [t for split in splits.values() for t, _ in split]
     assert "shared" not in texts
-    assert len([t for t in texts if builtin.text_key(t) == "cafe"]) <= 1
+    assert len([t for t in texts if text_key(t) == "cafe"]) <= 1
     assert Counter(c for split in splits.values() for _, c in split) == {("a",): 4, ("b",): 4}
 
 

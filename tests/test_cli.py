@@ -56,6 +56,20 @@ def test_push_arrives_byte_identical_and_network_errors_are_one_line(tiny_config
     assert len(err.splitlines()) == 1 and "me/moods" in err
 
 
+@pytest.mark.parametrize("excluded,says", [(["0", "1"], "exclude_clients: [0, 1] leaves none of this run's 2 clients"),
+                                           (["2"], "exclude_clients: client 2 is outside this run's 2 clients")])
+def test_run_that_excludes_every_client_is_refused_before_anything_is_written(tiny_config, tmp_path, capsys,
+                                                                              excluded, says):
+    """Once it started, wrote the run folder and failed in round 1 with "no client replied"."""
+    out = tmp_path / "excluded"
+    argv = ["run", "--tasks", *tiny_config.tasks, "--base-model", tiny_config.base_model, "--num-clients", "2",
+            "--rounds", "1", "--local-steps", "1", "--exclude-clients", *excluded, "--output-dir", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-fedtask: error: flags: ") and says in err[0]
+    assert not out.exists()
+
+
 def test_inspect_of_a_corrupt_file_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")

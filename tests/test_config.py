@@ -1,10 +1,13 @@
 """RunConfig: YAML, flag overrides, validation, fingerprint."""
 
 import argparse
+import dataclasses
+from pathlib import Path
 
 import pytest
 
 from hf_fedtask.config import RunConfig, add_config_arguments, config_from_args
+from hf_fedtask.data import SUITES
 from hf_fedtask.errors import ConfigError
 
 
@@ -36,10 +39,84 @@ def test_unknown_yaml_key_names_the_key(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("participation", 0.0), ("rounds", 0), ("zeta", -1.0), ("num_clients", 0),
                                          ("rounds", "three"), ("participation", "half"), ("export", "yes"),
-                                         ("tasks", "colors")])
+                                         ("tasks", "colors"), ("alpha", 0.0), ("lora_dropout", 1.5),
+                                         ("max_train_samples", 0), ("backdoor_client", -2), ("exclude_clients", [-1]),
+                                         ("peft_method", "loha"), ("lr_scheduler", "cosine_with_min_lr"),
+                                         ("optimizer", "adam"), ("suite", "builtin-9"), ("output_space", "shared")])
 def test_bad_values_are_rejected(field, value):
     with pytest.raises(ConfigError, match=field):
         RunConfig(**{field: value})
+
+
+def test_a_choice_is_checked_on_construction_in_one_line_naming_the_value_and_the_choices(tmp_path):
+    """`partition` was once checked only when the data were partitioned (a DataError mid-run)."""
+    for build in (lambda: RunConfig(partition="niid"), lambda: _parse(["--partition", "niid"])):
+        with pytest.raises(ConfigError) as e:
+            build()
+        message = str(e.value)
+        assert len(message.splitlines()) == 1
+        assert "partition" in message and "'niid'" in message and "iid, dirichlet, classes" in message
+    assert str(e.value) == "flags: partition: must be one of iid, dirichlet, classes, got 'niid'"
+
+
+def test_every_run_flag_has_help_and_shows_what_it_accepts():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    flags = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert {f.name for f in dataclasses.fields(RunConfig)} - {"strategy_options"} <= set(flags)
+    assert [name for name, a in flags.items() if not a.help] == []
+    assert "{iid, dirichlet, classes}" in flags["partition"].help
+    assert "(in (0.0, 1.0])" in flags["participation"].help and "(>= 1)" in flags["rounds"].help
+
+
+def test_the_named_choices_are_transformers_names():
+    from transformers import SchedulerType
+    from transformers.training_args import OptimizerNames
+
+    from hf_fedtask.config import LR_SCHEDULERS, OPTIMIZERS
+
+    assert set(LR_SCHEDULERS) <= {s.value for s in SchedulerType}
+    assert set(OPTIMIZERS) <= {o.value for o in OptimizerNames}
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(tasks=["a", "b"], exclude_clients=[0, 1]), "exclude_clients: [0, 1] leaves none of this run's 2 clients"),
+    (dict(num_clients=3, exclude_clients=[2, 0, 1]), "exclude_clients: [2, 0, 1] leaves none of this run's 3 clients"),
+    (dict(tasks=["a", "b"], exclude_clients=[2]), "exclude_clients: client 2 is outside this run's 2 clients"),
+    (dict(num_clients=4, backdoor_client=4), "backdoor_client: client 4 is outside this run's 4 clients"),
+])
+def test_client_ids_are_checked_against_the_runs_clients_on_construction(settings, message):
+    with pytest.raises(ConfigError) as e:
+        RunConfig(**settings)
+    assert message in str(e.value) and len(str(e.value).splitlines()) == 1
+    assert RunConfig(**{**settings, "exclude_clients": [0], "backdoor_client": 1}).client_count >= 2
+
+
+def test_client_count_is_num_clients_else_one_per_task():
+    assert RunConfig().client_count == len(SUITES["builtin-8"]) == 8
+    assert RunConfig(tasks=["a", "b", "c"]).client_count == 3
+    assert RunConfig(tasks=["a", "b", "c"], num_clients=5).client_count == 5
+
+
+def test_local_training_args_are_the_run_configs_settings_under_their_names():
+    """One name per setting: LocalTrainingArgs repeats neither RunConfig's names' translations nor its defaults."""
+    from hf_fedtask.client.trainer import LocalTrainingArgs
+
+    fields = dataclasses.fields(LocalTrainingArgs)
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
+    assert {f.name for f in fields} <= {f.name for f in dataclasses.fields(RunConfig)}
+    config = RunConfig(local_epochs=2.5, local_steps=7, optimizer="sgd", lr_scheduler="constant", batch_size=4,
+                       mixed_precision="bf16")
+    args = LocalTrainingArgs.from_run(config)
+    assert all(getattr(args, f.name) == getattr(config, f.name) for f in fields)
+    assert (args.local_epochs, args.local_steps, args.optimizer) == (2.5, 7, "sgd")
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parents[1] / "recipes" / "presets").glob("*.yaml")))
+def test_presets_load_through_flags_as_they_do_through_yaml(preset, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    path = Path(__file__).parents[1] / "recipes" / "presets" / preset
+    assert _parse(["--config", str(path)]) == RunConfig.from_yaml(path)
 
 
 def test_fingerprint_ignores_where_and_how_long_but_not_what():

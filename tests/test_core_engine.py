@@ -28,7 +28,8 @@ from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine.inprocess import Federation
-from hf_fedtask.engine.run import open_finished_run, run
+from hf_fedtask.engine.run import run
+from hf_fedtask.engine.run_folder import open_finished_run
 from hf_fedtask.errors import ConfigError, TaskVectorError
 from hf_fedtask.strategies import (
     QUERY,
@@ -134,7 +135,7 @@ class QueryThenTrain(FedAvg):
 
     name = "test-query-then-train"
     config_class = QueryThenTrainConfig
-    capabilities = Capabilities(phases=("stats", "train"))
+    capabilities = Capabilities()
 
     @staticmethod
     def _stats_layout() -> TaskVector:

@@ -36,7 +36,7 @@ def test_sparse_evaluation_trains_identically_and_reports_the_last_round(tiny_co
 
 
 def test_eval_every_is_validated_and_may_change_on_resume():
-    with pytest.raises(ConfigError, match="eval_every must be positive, got 0"):
+    with pytest.raises(ConfigError, match="eval_every: must be >= 1, got 0"):
         RunConfig(suite="builtin-8", eval_every=0)
     with pytest.raises(ConfigError, match="eval_every"):
         RunConfig.from_dict({"suite": "builtin-8", "eval_every": "often"})

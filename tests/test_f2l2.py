@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hf_fedtask.cli import main
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.state import SHARED, head_name
 from hf_fedtask.core.taskvector import TaskVector
@@ -23,6 +24,7 @@ from hf_fedtask.engine.run import run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.model.newton import GaussNewton, conjugate_gradient
+from hf_fedtask.strategies.f2l2 import RemovalOptions
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
 
 DIGITS = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", batch_size=32,
@@ -146,7 +148,25 @@ def test_f2l2_refusals(tmp_path, backdoored):
         remove_client(root / "trained", 7, output_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match="unknown removal method"):
         remove_client(root / "trained", 0, method="magic", output_dir=tmp_path / "d")
-    assert not any((tmp_path / name).exists() for name in "abcd")
+    with pytest.raises(ConfigError, match=r"cg_iterations must be >= 1 .*got 0"):
+        remove_client(root / "trained", 0, iterations=0, output_dir=tmp_path / "e")
+    assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_a_removal_without_cg_iterations_is_refused_before_anything_is_written(backdoored, capsys):
+    """`--cg-iterations 0` would take no Newton step and write the trained model as the "removed" one:
+    a one-line error and exit 2, nothing written; the removal options refuse it wherever they come from."""
+    trained = backdoored[0] / "trained"
+    default_out = trained.with_name("trained-remove-client0-f2l2")
+    for iterations in ("0", "-3"):
+        assert main(["unlearn", str(trained), "--client", "0", "--method", "f2l2", "--cg-iterations", iterations]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "cg_iterations must be >= 1" in err and f"got {iterations}" in err, err
+        assert not default_out.exists()
+    for iterations in (0, -1):
+        with pytest.raises(ConfigError, match="cg_iterations must be >= 1"):
+            RemovalOptions(iterations=iterations)
+    assert RemovalOptions(iterations=1).iterations == 1
 
 
 def test_linear_probe_runs_f2l2_and_its_removal(tiny_bert_dir, tiny_tasks_dir, tmp_path):

@@ -1,6 +1,7 @@
-"""FedYolo (algorithms.md §4): per-task modules in named PEFT adapters, the share variants, the
-secure-aggregation privacy variant, communication accounting (T × M × P), and the baselines
-(modular FedAvg = `fedavg`, full-update FedAvg = `peft_method="full"`, local-only, FedAvg+Local).
+"""FedYolo (Zhang et al., 2023, arXiv:2307.04905, Alg. 1): per-task modules in named PEFT adapters,
+the share variants, the secure-aggregation privacy variant, communication accounting (T × M × P), and
+the baselines (modular FedAvg = `fedavg`, full-update FedAvg = `peft_method="full"`, local-only,
+FedAvg+Local).
 Tiny BERT (L = 2 blocks) and tiny tasks; no network."""
 
 import json
@@ -12,14 +13,15 @@ from safetensors.torch import load_file
 
 from hf_fedtask.core.checkpoint import load_checkpoint
 from hf_fedtask.core.secagg import SecAggClient, SecAggServer, encode_fixed_point
-from hf_fedtask.core.taskvector import TaskVector, make_metadata
+from hf_fedtask.core.state import COUNTS, SHARED, module_name
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import make_metadata
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 from hf_fedtask.engine import run as federation
 from hf_fedtask.engine.secure import SecureAggregation
 from hf_fedtask.errors import ConfigError, TaskVectorError
 from hf_fedtask.strategies import build_strategy
-from hf_fedtask.strategies.base import SHARED
-from hf_fedtask.strategies.fedyolo import COUNTS, MODULE, adapter_name, block_index, shared_module_keys
+from hf_fedtask.strategies.fedyolo import adapter_name, block_index, shared_module_keys
 from hf_fedtask.workflows.personalize import forgetting_ratio, local_only, personalize
 
 TASKS = ("colors", "moods")
@@ -98,7 +100,7 @@ def test_round_equals_hand_averaged_uploads_and_downlinks_hold_only_own_tasks(yo
     shared = list(state.vectors.get(SHARED, {}))
     assert shared == {"none": [], "half": [k for k in keys if block_index(k) == 0], "all": keys}[share]
     for task in TASKS:
-        assert list(state.vectors.get(f"{MODULE}{task}", {})) == [k for k in keys if k not in shared]
+        assert list(state.vectors.get(module_name(task), {})) == [k for k in keys if k not in shared]
         assert list(sim.strategy.task_parameters(state, task)) == [*keys, *sim.host.head_keys]
     assert results["shared_parameters"] == (state.vectors[SHARED].numel() if shared else 0)
 
@@ -146,7 +148,7 @@ def test_other_module_types_train_per_task(yolo_config, peft_method, share):
     state, record = sim.run_round(initial, 1)
     assert set(sim.host.model.peft_config) == {"default", *(adapter_name(t) for t in TASKS)}
     for task in TASKS:
-        assert (state.vectors[f"{MODULE}{task}"] - initial.vectors[f"{MODULE}{task}"]).norm() > 0
+        assert (state.vectors[module_name(task)] - initial.vectors[module_name(task)]).norm() > 0
     assert record["params_uplink"] == sum(sum(v.numel() for v in sim.strategy.downlink(initial, c, sim.allocation[c])
                                               .values()) for c in record["clients"])
 
@@ -255,7 +257,7 @@ def test_secure_upload_grows_to_k_task_slots(yolo_config):
     _, plain = sim.run_round(initial, 1)
     sim.strategy.config.secure_aggregation = True
     _, secure = sim.run_round(initial, 1)
-    module = initial.vectors[f"{MODULE}colors"].numel()
+    module = initial.vectors[module_name("colors")].numel()
     heads = {t: initial.vectors[f"head/{t}"].numel() for t in TASKS}
     for cid in range(4):
         (task,) = sim.allocation[cid]

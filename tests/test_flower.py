@@ -32,7 +32,8 @@ from hf_fedtask.engine.flower.local import InProcessGrid, local_grid_engine, run
 from hf_fedtask.engine.flower.manifest import manifest
 from hf_fedtask.engine.flower.node import SECAGG_SECRET, SECRETS
 from hf_fedtask.engine.flower.settings import AppSettings
-from hf_fedtask.engine.run import METRICS_FILE, PAYLOADS_DIR, run
+from hf_fedtask.engine.run import run
+from hf_fedtask.engine.run_folder import METRICS_FILE, PAYLOADS_DIR
 from hf_fedtask.errors import ConfigError, FedTaskError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import tomllib
 import torch
 from huggingface_hub import ModelCard
 from peft import LoraConfig, get_peft_model_state_dict
-from test_export import tiny_peft_model
+from test_save_adapter import tiny_peft_model
 
 from hf_fedtask.cli import main
 from hf_fedtask.errors import HubError

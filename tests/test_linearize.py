@@ -7,8 +7,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch.func import functional_call, jacrev
 
+from hf_fedtask.errors import LinearizationError
 from hf_fedtask.model.backbone import load_classifier, resolve_base_model
-from hf_fedtask.model.linearize import LinearizationError, LinearizedModel, linearized
+from hf_fedtask.model.linearize import LinearizedModel, linearized
 from hf_fedtask.model.tangent_rules import TANGENT_ATTENTION
 
 
@@ -116,7 +117,8 @@ def test_switches_to_tangent_attention_and_restores(tiny_bert_dir, batch):
 
 def test_lora_layers_mode_is_l_lora(tiny_bert_dir, batch):
     """Per-layer linearization: with B0 = 0 (peft's default init) it is LoRA with A frozen at A0,
-    i.e. W x + s·B·A0 x (merging-reference.md §6); the rest of the network stays non-linear."""
+    i.e. W x + s·B·A0 x (L-LoRA: Tang et al., ICLR 2024, arXiv:2310.04742); the rest of the network
+    stays non-linear."""
     torch.manual_seed(0)
     base = load_classifier(resolve_base_model(tiny_bert_dir, "tests/tiny-bert"), 3)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, task_type="SEQ_CLS")).double().eval()

@@ -1,5 +1,6 @@
-"""MaTU: the strategy against an independent re-implementation of algorithms.md §3 written with flat
-tensors, the wire format's byte count, statelessness of the server, and an end-to-end run."""
+"""MaTU: the strategy against an independent re-implementation of the paper's client and server steps
+(Tsouvalas, Ozcelebi and Meratnia, 2025, arXiv:2502.06376, §3.2, Eqs. 3-7) written with flat tensors,
+the wire format's byte count, statelessness of the server, and an end-to-end run."""
 
 from __future__ import annotations
 
@@ -10,20 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_fedtask.core.state import MATU_WIRE, matu_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine import run as federation
+from hf_fedtask.engine.run_folder import restore
+from hf_fedtask.errors import TaskVectorError
 from hf_fedtask.merge import sign_similarity
 from hf_fedtask.merge.bitmask import unpack_bits
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
-from hf_fedtask.strategies.matu import (
-    WIRE,
-    decode_heads,
-    decode_task,
-    encode_wire,
-    task_vector_name,
-)
+from hf_fedtask.strategies.matu import decode_heads, decode_task, encode_wire, wire_tasks
 
 SHAPES = {"a.lora_A.weight": (4, 6), "a.lora_B.weight": (6, 4), "b.lora_A.weight": (3, 5)}
 HEAD = {"classifier.modules_to_save.default.weight": (2, 4), "classifier.modules_to_save.default.bias": (2,)}
@@ -33,7 +31,7 @@ def random_tv(gen, shapes=SHAPES, scale=1.0):
     return TaskVector({k: torch.randn(s, generator=gen) * scale for k, s in shapes.items()})
 
 
-# -- an independent reference, on flat tensors, straight from the spec ---------------------------
+# -- an independent reference, on flat tensors, straight from the paper's equations --------------
 def ref_unify(taus: list[torch.Tensor]):
     sign = torch.stack(taus).sum(0).sign()
     stacked = torch.stack(taus)
@@ -101,13 +99,14 @@ def test_client_unification_matches_the_reference():
     vectors = {t: random_tv(gen) for t in TASKS[:3]}
     heads = {t: TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()}) for t in vectors}
     wire = encode_wire(vectors, "global_sum", heads=heads)
-    assert list(wire) == ["unified", "masks", "rescalers", "heads"]  # four tensors whatever the task count
+    assert list(wire) == ["tasks", "unified", "masks", "rescalers", "heads"]  # five tensors whatever the task count
+    assert wire_tasks(wire) == list(vectors)  # the slot order travels with the wire
     tau, masks, lams = ref_unify([v.flatten() for v in vectors.values()])
     torch.testing.assert_close(wire["unified"], tau)
     for i, t in enumerate(vectors):
         assert torch.equal(unpack_bits(wire["masks"][i], tau.numel()), masks[i])
         assert float(wire["rescalers"][i]) == pytest.approx(lams[i], rel=1e-6)
-        torch.testing.assert_close(decode_task(wire, i, vectors[t]).flatten(), lams[i] * masks[i] * tau)
+        torch.testing.assert_close(decode_task(wire, t, vectors[t]).flatten(), lams[i] * masks[i] * tau)
     for t, h in decode_heads(wire, heads).items():
         assert all(torch.equal(h[k], heads[t][k]) for k in h)
 
@@ -124,23 +123,23 @@ def test_server_aggregation_matches_the_reference(combine, vectors, neighbours):
     gen = torch.Generator().manual_seed(2)
     common = random_tv(gen)  # shared direction so that tasks are similar (S > ε) and neighbours exist
     for t in TASKS:  # earlier rounds' vectors; t3's is a close neighbour of every task
-        state.vectors[task_vector_name(t)] = common + random_tv(gen, scale=0.5 if t == "t3" else 1.5)
+        state.vectors[matu_task_vector_name(t)] = common + random_tv(gen, scale=0.5 if t == "t3" else 1.5)
         state.vectors[head_name(t)] = TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()})
     updates, uploads = [], []
     for cid in (0, 1, 2):
         uploaded = {t: common + random_tv(gen, scale=0.7) for t in allocation[cid]}
         heads = {t: TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()}) for t in uploaded}
         samples = {t: 10 + 7 * cid + i for i, t in enumerate(uploaded)}
-        updates.append(ClientUpdate(cid, 1, {WIRE: encode_wire(uploaded, "global_sum", heads=heads)}, samples))
+        updates.append(ClientUpdate(cid, 1, {MATU_WIRE: encode_wire(uploaded, "global_sum", heads=heads)}, samples))
         tau, masks, lams = ref_unify([v.flatten() for v in uploaded.values()])
         uploads.append((samples, tau, dict(zip(uploaded, masks)), dict(zip(uploaded, lams))))
-    stored = {t: state.vectors[task_vector_name(t)].flatten() for t in TASKS}
+    stored = {t: state.vectors[matu_task_vector_name(t)].flatten() for t in TASKS}
     expected = ref_server(uploads, stored, 0.4, 2, 0.5, combine, vectors, neighbours)
     new = strategy.server_aggregate(state, updates)
     for t in TASKS:
-        torch.testing.assert_close(new.vectors[task_vector_name(t)].flatten(), expected[t], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new.vectors[matu_task_vector_name(t)].flatten(), expected[t], rtol=1e-5, atol=1e-6)
     # heads: sample-weighted mean of the holders' changes
-    h = [(u.num_samples["t0"], decode_heads(u.vectors[WIRE], {t: state.vectors[head_name(t)] for t in sorted(u.num_samples)})["t0"])
+    h = [(u.num_samples["t0"], decode_heads(u.vectors[MATU_WIRE], {t: state.vectors[head_name(t)] for t in sorted(u.num_samples)})["t0"])
          for u in updates if "t0" in u.num_samples]
     mean = sum((n * v for n, v in h), h[0][1].zeros_like()) / sum(n for n, _ in h)
     torch.testing.assert_close(new.vectors[head_name("t0")].flatten(), (state.vectors[head_name("t0")] + mean).flatten())
@@ -175,7 +174,7 @@ def test_neighbours_exclude_self_and_respect_epsilon_and_kappa():
 def single_task_uploads(uploaded: dict[int, tuple[str, TaskVector]]) -> list[ClientUpdate]:
     """One task per client (client -> (task, vector)): unification is exact, so τ̂^t is the vector itself."""
     heads = {k: torch.zeros(s) for k, s in HEAD.items()}
-    return [ClientUpdate(c, 1, {WIRE: encode_wire({t: v}, "global_sum", heads={t: TaskVector(heads)})}, {t: 10})
+    return [ClientUpdate(c, 1, {MATU_WIRE: encode_wire({t: v}, "global_sum", heads={t: TaskVector(heads)})}, {t: 10})
             for c, (t, v) in uploaded.items()]
 
 
@@ -193,10 +192,10 @@ def test_carried_forward_tasks_are_neighbours_only_with_neighbours_all():
         strategy = build_strategy("matu", {"kappa": 1, **options})
         state = make_state(strategy, allocation)
         for t, v in stored.items():
-            state.vectors[task_vector_name(t)] = v
+            state.vectors[matu_task_vector_name(t)] = v
         new = strategy.server_aggregate(state, single_task_uploads(uploaded))
-        assert torch.equal(new.vectors[task_vector_name("t1")].flatten(), stored["t1"].flatten())  # no participant: kept
-        return new.vectors[task_vector_name("t0")]
+        assert torch.equal(new.vectors[matu_task_vector_name("t1")].flatten(), stored["t1"].flatten())  # no participant: kept
+        return new.vectors[matu_task_vector_name("t0")]
 
     stored = {"t1": common + random_tv(gen, scale=0.1)}
     for neighbours in ("round", "all"):
@@ -275,11 +274,11 @@ def test_bfloat16_wire_halves_the_unified_vector_and_decodes_close():
     f32, bf16 = encode_wire(vectors, "global_sum"), encode_wire(vectors, "global_sum", "bfloat16")
     assert bf16["unified"].dtype == torch.bfloat16
     def size(w):  # the data section: the header's JSON length varies with its (unordered) metadata and padding
-        payload = ClientUpdate(0, 1, {WIRE: w}, {"a": 1, "b": 1}).to_bytes(
+        payload = ClientUpdate(0, 1, {MATU_WIRE: w}, {"a": 1, "b": 1}).to_bytes(
             base_model="m", base_model_revision="r", peft_config_hash="h")
         return len(payload) - 8 - int.from_bytes(payload[:8], "little")
     assert size(f32) - size(bf16) == 2 * 64 * 64
-    torch.testing.assert_close(decode_task(bf16, 0, vectors["a"])["w"], decode_task(f32, 0, vectors["a"])["w"],
+    torch.testing.assert_close(decode_task(bf16, "a", vectors["a"])["w"], decode_task(f32, "a", vectors["a"])["w"],
                                rtol=1e-2, atol=1e-2)
 
 
@@ -294,7 +293,7 @@ def test_uplink_bytes_within_one_percent_of_the_formula_at_minilm_size(k):
     names = [f"first_name_origin_{t}" for t in range(k)]  # long, realistic task names
     heads = {t: TaskVector({"classifier.weight": torch.randn(6, 384), "classifier.bias": torch.randn(6)}) for t in names}
     vectors = {t: random_tv(gen, shapes) for t in names}
-    update = ClientUpdate(7, 12, {WIRE: encode_wire(vectors, "global_sum", heads=heads)}, {t: 133 for t in names},
+    update = ClientUpdate(7, 12, {MATU_WIRE: encode_wire(vectors, "global_sum", heads=heads)}, {t: 133 for t in names},
                           {f"{t}/train_loss": 0.123456789 for t in names})
     size = len(update.to_bytes(base_model="sentence-transformers/all-MiniLM-L6-v2",
                                base_model_revision="sha256:" + "0" * 64, peft_config_hash="0" * 64))
@@ -316,7 +315,7 @@ def test_matu_runs_end_to_end_and_exports_adapters(matu_config):
     assert results["strategy"] == "matu" and results["rounds"] == 2
     run_dir = Path(matu_config.output_dir)
     fed = federation.Federation(matu_config)
-    final, _, _ = federation.restore(fed.env, run_dir, matu_config.fingerprint())
+    final, _, _ = restore(fed.env, run_dir, matu_config.fingerprint())
     stock_weights = load_file(run_dir / "adapters" / "colors" / "adapter_model.safetensors")
     expected = fed.strategy.task_parameters(final, "colors")
     assert stock_weights.keys() == set(expected) and all(torch.equal(stock_weights[k], expected[k]) for k in expected)
@@ -343,3 +342,41 @@ def test_matu_runs_end_to_end_and_exports_adapters(matu_config):
     storage = results["compact_storage"]  # 2 tasks: no saving yet (θ_p and τ cost two adapters)
     on_disk = sum(p.stat().st_size for p in (run_dir / "compact").iterdir() if p.is_file() and p.name != "README.md")
     assert storage["tasks"] == 2 and storage["compact_bytes"] == on_disk
+
+
+def test_wire_slots_are_matched_by_name_not_position():
+    """A wire form lists its tasks: an upload whose slots are in any order decodes to the same vectors, and
+    one that lacks a task it claims is refused naming the task."""
+    gen = torch.Generator().manual_seed(5)
+    vectors = {t: random_tv(gen) for t in ("b", "a", "c")}  # not sorted
+    heads = {t: TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()}) for t in vectors}
+    wire = encode_wire(vectors, "global_sum", heads=heads)
+    assert wire_tasks(wire) == ["b", "a", "c"]
+    ordered = encode_wire({t: vectors[t] for t in sorted(vectors)}, "global_sum", heads={t: heads[t] for t in sorted(heads)})
+    for t in vectors:
+        torch.testing.assert_close(decode_task(wire, t, vectors[t]).flatten(), decode_task(ordered, t, vectors[t]).flatten())
+        torch.testing.assert_close(decode_heads(wire, heads)[t].flatten(), heads[t].flatten())
+    with pytest.raises(TaskVectorError, match="'d'"):
+        decode_task(wire, "d", vectors["a"])
+    with pytest.raises(TaskVectorError, match="heads of"):
+        decode_heads(wire, {t: heads[t] for t in ("a", "b")})
+
+
+def test_exact_start_sends_each_task_vector_and_clients_train_from_it():
+    """`start: exact`: the downlink carries every held τ^t as it is (one float vector per task, no masks), the
+    client's step is measured from it, and the upload stays the unified form."""
+    gen = torch.Generator().manual_seed(6)
+    strategy = build_strategy("matu", {"start": "exact"})
+    tasks = ["t0", "t1", "t2"]
+    state = strategy.init_state(FakeHost(gen), [SimpleNamespace(name=t, num_labels=2) for t in tasks], 0,
+                                {0: tasks, 1: ["t1"]})
+    for t in tasks:
+        state.vectors[matu_task_vector_name(t)] = random_tv(gen, scale=0.1)
+    wire = strategy.downlink(state, 0, tasks)[MATU_WIRE]
+    numel = sum(v.numel() for v in state.vectors[SHARED].values())
+    assert sorted(wire) == ["heads", "tasks", "vectors"] and wire["vectors"].shape == (3, numel)
+    for t in tasks:
+        assert torch.equal(decode_task(wire, t, state.vectors[SHARED]).flatten(), state.vectors[matu_task_vector_name(t)].flatten())
+    unified = build_strategy("matu", {}).downlink(state, 0, tasks)[MATU_WIRE]
+    assert wire["vectors"].numel() == 3 * unified["unified"].numel()
+    assert set(strategy.update_templates(state, 0, tasks)[MATU_WIRE]) == set(unified)  # uploads: the unified form

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from hf_fedtask import merge
 from hf_fedtask.cli import main
-from hf_fedtask.core.taskvector import TaskVector, make_metadata, peft_config_hash
+from hf_fedtask.core.config_hash import peft_config_hash
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import make_metadata
 from hf_fedtask.export.compact import load_task_adapter, storage_report, task_state
 from hf_fedtask.model.backbone import load_classifier, resolve_base_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import agreement_mask, kernels, ties, unify, weighted_average
+from hf_fedtask.merge import agreement_mask, fused_passes, kernels, threshold_select, ties, unify, weighted_average
 from hf_fedtask.merge.bitmask import packed_size
 from hf_fedtask.merge.streaming import Layout
 from hf_fedtask.merge.ties import magnitude_prune
@@ -90,7 +90,7 @@ def test_unify_pass_writes_every_mask_byte(fill):
     layout = Layout(vectors)
     plan = kernels.Plan(layout, [layout.flat_views(tv) for tv in vectors])
     masks = [torch.full((packed_size(layout.numel),), fill, dtype=torch.uint8) for _ in vectors]
-    kernels.unify_pass(plan, layout.empty_flat(), masks)
+    fused_passes.unify_pass(plan, layout.empty_flat(), masks)
     reference = unify(vectors, backend="torch")
     assert all(torch.equal(m, r) for m, r in zip(masks, reference.masks))
 
@@ -156,7 +156,7 @@ def test_kth_largest_abs_is_numpy_partition(n):
     x[: n // 3] = torch.round(x[: n // 3] * 8) / 8  # ties
     pieces = list(torch.split(x, max(1, n // 3)))
     for k in sorted({1, max(1, n // 5), max(1, n // 2), n}):
-        (value, tied, kept), = kernels.kth_largest_abs([pieces], [k])
+        (value, tied, kept), = threshold_select.kth_largest_abs([pieces], [k])
         magnitude = np.sort(np.abs(x.numpy()))[::-1]
         assert value == magnitude[k - 1]
         assert tied == bool(np.count_nonzero(magnitude >= magnitude[k - 1]) > k)
@@ -175,7 +175,7 @@ def test_kth_largest_abs_of_many_populations_in_one_call():
     xs[0][2_000:] = torch.round(xs[0][2_000:] * 4) / 4  # ties, only past the first piece
     xs[3] = torch.round(xs[3] * 16) / 16
     ks = [2_500, 20_000, 3_001, 9_999]
-    found = kernels.kth_largest_abs([list(torch.split(x, 1_700)) for x in xs], ks)
+    found = threshold_select.kth_largest_abs([list(torch.split(x, 1_700)) for x in xs], ks)
     assert [t for _, t, _ in found] == [True, False, False, True]
     assert found[0][2].min() > 1_700  # population 0's tied entries all lie past its first piece
     for x, k, (value, tied, kept) in zip(xs, ks, found):
@@ -230,7 +230,7 @@ def test_radix_selection_agrees_with_numpy(n):
     magnitude = np.abs(x.numpy())
     for k in sorted({1, max(1, n // 10), max(1, n // 2), n}):
         v = np.sort(magnitude)[::-1][k - 1]
-        bits, greater, equal = kernels._radix_select(ptrs, lens, 0, len(pieces), k)
+        bits, greater, equal = threshold_select._radix_select(ptrs, lens, 0, len(pieces), k)
         assert np.array([bits], dtype=np.uint32).view(np.float32)[0] == v
         assert (greater, equal) == (np.count_nonzero(magnitude > v), np.count_nonzero(magnitude == v))
 
@@ -247,46 +247,47 @@ def test_sampled_selection_agrees_with_radix_and_numpy(case, size):
     _COUNTED_BELOW the bracket is first narrowed by counting at edges) against the radix selection
     and numpy: on random data with zeros and ties, on data whose strided sample is all zeros (the
     bracket misses: the radix fallback), and with 60% of the entries tied (the bracket overflows)."""
-    n = (kernels._SAMPLED_FROM if size == "counted" else max(kernels._COUNTED_BELOW, kernels._SAMPLED_FROM)) + 12_345
-    assert (n < kernels._COUNTED_BELOW) == (size == "counted")
+    sampled_from, counted_below = threshold_select._SAMPLED_FROM, threshold_select._COUNTED_BELOW
+    n = (sampled_from if size == "counted" else max(counted_below, sampled_from)) + 12_345
+    assert (n < counted_below) == (size == "counted")
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, generator=g)
     if case == "random":
         x[::7] = 0.0
         x[1::5] = torch.round(x[1::5] * 16) / 16
     elif case == "sample_misses":
-        runs, stride = kernels._sample_runs(n)
+        runs, stride = threshold_select._sample_runs(n)
         starts = torch.arange(runs) * stride
-        x[(starts[:, None] + torch.arange(kernels._SAMPLE_RUN)).reshape(-1)] = 0.0
+        x[(starts[:, None] + torch.arange(threshold_select._SAMPLE_RUN)).reshape(-1)] = 0.0
     else:
         x[: int(0.6 * n)] = 0.25
     pieces, ptrs, lens = _population(x)
     if case == "sample_misses":  # the sample sees only the zeros
-        sample = kernels._strided_sample(ptrs, lens, 0, len(pieces), n)
-        assert sample.size == runs * kernels._SAMPLE_RUN and not sample.any()
+        sample = threshold_select._strided_sample(ptrs, lens, 0, len(pieces), n)
+        assert sample.size == runs * threshold_select._SAMPLE_RUN and not sample.any()
         assert np.count_nonzero(x.numpy()) > 0.9 * n
     magnitude = np.abs(x.numpy())
     ordered = np.sort(magnitude)[::-1]
     for k in sorted({1, n // 1000, n // 5, n // 2, n - 1, n}):
         v = ordered[k - 1]
-        bits, greater, equal = kernels._sampled_select(ptrs, lens, 0, len(pieces), k)
+        bits, greater, equal = threshold_select._sampled_select(ptrs, lens, 0, len(pieces), k)
         assert np.array([bits], dtype=np.uint32).view(np.float32)[0] == v
         assert (greater, equal) == (np.count_nonzero(magnitude > v), np.count_nonzero(magnitude == v))
-        assert (bits, greater, equal) == kernels._radix_select(ptrs, lens, 0, len(pieces), k)
-    (value, tied, _), = kernels.kth_largest_abs([pieces], [n // 5])  # the public entry takes this path
+        assert (bits, greater, equal) == threshold_select._radix_select(ptrs, lens, 0, len(pieces), k)
+    (value, tied, _), = threshold_select.kth_largest_abs([pieces], [n // 5])  # the public entry takes this path
     assert value == ordered[n // 5 - 1]
 
 
 def test_counted_bracket_is_narrow_and_exact():
     """The counted bracket of a small population holds the k-th largest and few entries besides (so the
     fast path is what runs, not the radix fallback), and its count of entries inside is exact."""
-    n = kernels._SAMPLED_FROM + 999
+    n = threshold_select._SAMPLED_FROM + 999
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     pieces, ptrs, lens = _population(x)
     magnitude = np.abs(x.numpy())
     for k in (n // 100, n // 5, n // 2):
-        sample = kernels._strided_sample(ptrs, lens, 0, len(pieces), n)
-        lo, hi, inside = kernels._counted_bracket(ptrs, lens, 0, len(pieces), k, sample)
+        sample = threshold_select._strided_sample(ptrs, lens, 0, len(pieces), n)
+        lo, hi, inside = threshold_select._counted_bracket(ptrs, lens, 0, len(pieces), k, sample)
         lo_v, hi_v = np.array([lo, hi], dtype=np.uint32).view(np.float32)
         v = np.sort(magnitude)[::-1][k - 1]
         assert lo_v <= v <= hi_v

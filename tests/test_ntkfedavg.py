@@ -11,6 +11,7 @@ import torch
 
 from hf_fedtask.cli import main
 from hf_fedtask.client.evaluation import evaluate
+from hf_fedtask.core.state import POINT, tracked_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine import run as federation
@@ -18,12 +19,7 @@ from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import SHARED, ClientJob, GlobalState, head_name
-from hf_fedtask.strategies.fedavg import (
-    accumulate_task_vectors,
-    negate_forgotten,
-    task_vector_name,
-)
-from hf_fedtask.strategies.ntkfedavg import POINT
+from hf_fedtask.strategies.fedavg import accumulate_task_vectors, negate_forgotten
 from hf_fedtask.workflows.unlearn import negate_task, unlearn
 
 
@@ -45,17 +41,17 @@ def test_negation_and_task_vector_bookkeeping():
     strategy = build_strategy("fedavg", {"server_lr": 0.5, "forget_tasks": ["x"], "track_task_vectors": True})
     zero = tv(0.0, 0.0)
     state = GlobalState(0, {SHARED: zero, **{head_name(t): tv(0.0) for t in "xyz"},
-                            **{task_vector_name(t): zero for t in "xyz"}}, {"allocation": {}})
+                            **{tracked_task_vector_name(t): zero for t in "xyz"}}, {"allocation": {}})
     new = strategy.server_aggregate(state, [a, b])
     # θ + α·(−1·τ_a + 3·τ_b)/4 over the 4 samples
     expected = 0.5 * (-1 * torch.tensor([1.0, 2.0]) + 3 * torch.tensor([3.0, -1.0])) / 4
     assert torch.allclose(new.vectors[SHARED]["w"], expected)
     # b's step splits over its tasks y:z = 2:1, and the task vectors sum to the movement
-    assert torch.allclose(new.vectors[task_vector_name("y")]["w"], 0.5 * torch.tensor([3.0, -1.0]) * 2 / 4)
-    total = sum((new.vectors[task_vector_name(t)]["w"] for t in "xyz"), torch.zeros(2))
+    assert torch.allclose(new.vectors[tracked_task_vector_name("y")]["w"], 0.5 * torch.tensor([3.0, -1.0]) * 2 / 4)
+    total = sum((new.vectors[tracked_task_vector_name(t)]["w"] for t in "xyz"), torch.zeros(2))
     assert torch.allclose(total, expected)
     again = accumulate_task_vectors(new, negate_forgotten([a, b], ["x"]), 0.5)
-    assert torch.allclose(sum((again[task_vector_name(t)]["w"] for t in "xyz"), torch.zeros(2)), 2 * expected)
+    assert torch.allclose(sum((again[tracked_task_vector_name(t)]["w"] for t in "xyz"), torch.zeros(2)), 2 * expected)
 
 
 def test_server_step_keeps_the_previous_state_as_linearization_point():
@@ -172,7 +168,7 @@ def _task_vector_step(run_dir: Path, parent: Path) -> dict[str, TaskVector]:
     new, old = load_file(run_dir / "checkpoint.safetensors"), load_file(parent / "checkpoint.safetensors")
     out = {}
     for task in ("colors", "moods"):
-        prefix = task_vector_name(task) + "::"
+        prefix = tracked_task_vector_name(task) + "::"
         out[task] = TaskVector({k[len(prefix):]: new[k] - old[k] for k in new if k.startswith(prefix)})
     return out
 
@@ -189,11 +185,11 @@ def test_one_shot_negation_subtracts_the_recorded_task_vector(ntk_run):
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
     # the task vectors add up to the shared modules' movement since round 0
-    total = sum((state.vectors[task_vector_name(t)] for t in ("colors", "moods")), state.vectors[SHARED].zeros_like())
+    total = sum((state.vectors[tracked_task_vector_name(t)] for t in ("colors", "moods")), state.vectors[SHARED].zeros_like())
     moved = state.vectors[SHARED] - sim.origin
     assert all(torch.allclose(total[k], moved[k], atol=1e-6) for k in moved)
     saved = load_file(out / "adapters" / "colors" / "adapter_model.safetensors")
-    expected = state.vectors[SHARED] - state.vectors[task_vector_name("moods")]
+    expected = state.vectors[SHARED] - state.vectors[tracked_task_vector_name("moods")]
     assert all(torch.allclose(saved[k], expected[k]) for k in expected)
     assert results["unlearning"]["scale"] == 1.0
     head = load_file(out / "adapters" / "moods" / "adapter_model.safetensors")

@@ -9,14 +9,13 @@ import torch
 from conftest import TINY_MODEL_ID
 
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SHARED, head_name
+from hf_fedtask.core.state import SHARED, head_name, matu_task_vector_name
 from hf_fedtask.data.task import TaskInfo
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.run import run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.output_space import OutputSpace
 from hf_fedtask.strategies import STRATEGIES
-from hf_fedtask.strategies.matu import task_vector_name
 
 TASKS = [TaskInfo("colors", ("red", "blue", "green")), TaskInfo("moods", ("happy", "sad"))]
 
@@ -61,7 +60,7 @@ def test_every_strategy_trains_the_shared_head(tiny_config, strategy, tmp_path):
                                       output_dir=str(tmp_path / "run"), **extra)
     results = run(config)
     assert set(results["tasks"]) == {t.name for t in Environment(config).tasks}
-    from hf_fedtask.engine.run import open_finished_run
+    from hf_fedtask.engine.run_folder import open_finished_run
     finished = open_finished_run(tmp_path / "run")
     vectors = finished.state.vectors
     head_key = "base_model.model.classifier.weight"
@@ -100,11 +99,11 @@ def test_matu_masks_and_rescales_the_head_inside_its_task_vectors(tiny_config, t
     config = tiny_config.for_strategy("matu", output_space="union", zeta=0.5, rounds=2,
                                       output_dir=str(tmp_path / "run"))
     results = run(config)
-    from hf_fedtask.engine.run import open_finished_run
+    from hf_fedtask.engine.run_folder import open_finished_run
     finished = open_finished_run(tmp_path / "run")
     head_key = "base_model.model.classifier.weight"
     for task in ("colors", "moods"):
-        tau = finished.state.vectors[task_vector_name(task)]
+        tau = finished.state.vectors[matu_task_vector_name(task)]
         assert head_key in tau and tau[head_key].abs().sum() > 0  # the head moved inside τ^t
         compact = task_state(tmp_path / "run" / "compact", task)
         expected = finished.env.task_view(finished.env.strategy.compact_task_parameters(finished.state, task), task)

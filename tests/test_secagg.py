@@ -8,7 +8,6 @@ from hf_fedtask.core import secagg
 from hf_fedtask.core.secagg import (
     DEFAULT_SCALE,
     SecAggClient,
-    SecAggError,
     SecAggServer,
     decode_fixed_point,
     encode_fixed_point,
@@ -16,7 +15,7 @@ from hf_fedtask.core.secagg import (
     secure_sum,
 )
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.errors import FedTaskError
+from hf_fedtask.errors import FedTaskError, ProtocolError, SecAggError
 
 SHAPES = {"lora_A.weight": (4, 16), "lora_B.weight": (16, 4), "bias": (7,), "scalar": ()}
 
@@ -248,6 +247,7 @@ def test_wrong_keys_and_shapes_refused(updates):
 
 def test_errors_and_key_validation():
     assert issubclass(SecAggError, FedTaskError) and issubclass(SecAggError, ValueError)
+    assert issubclass(SecAggError, ProtocolError) and secagg.SecAggError is SecAggError  # still importable there
     server = SecAggServer(SHAPES, 0)
     with pytest.raises(SecAggError, match="client 3: invalid Diffie-Hellman public key"):
         server.register(3, secagg.MODP_2048_P - 1)  # order 2: would leak the secret's parity

@@ -27,9 +27,20 @@ from hf_fedtask.core.fields import field_type
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 from hf_fedtask.engine.inprocess import Federation
-from hf_fedtask.engine.run import restore, run
+from hf_fedtask.engine.run import run
+from hf_fedtask.engine.run_folder import restore
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.strategies import QUERY, STRATEGIES, Capabilities, ClientJob, GlobalState, build_strategy_config
+from hf_fedtask.strategies import (
+    QUERY,
+    STRATEGIES,
+    Capabilities,
+    ClientJob,
+    GlobalState,
+    Strategy,
+    build_strategy,
+    build_strategy_config,
+    hooks_declared,
+)
 
 EXPORT_DIRS = {"adapters": "adapters", "compact": "compact", "multi_adapter": "multi_adapter",
                "linearized": "linearized", "tct": "tct"}
@@ -98,7 +109,7 @@ class HandRound:
 
     @property
     def secure(self) -> bool:
-        return self.fed.strategy.uses_secure_aggregation()
+        return self.fed.strategy.capabilities.secure_aggregation
 
     def aggregate_inputs(self) -> list[ClientUpdate]:
         """What the engine hands `server_aggregate`: the uploads, or with secure aggregation their sum."""
@@ -333,8 +344,33 @@ def test_declared_capabilities_are_what_the_run_shows(runs):
         assert (runs.straight / folder).is_dir() == (export in caps.exports), export
     tasks = [Path(p).name for p in runs.config.tasks]
     assert sorted(p.name for p in (runs.straight / "adapters").iterdir()) == sorted(tasks)
-    assert not strategy.uses_secure_aggregation() or caps.secure_aggregation
     for line in (runs.straight / "metrics.jsonl").read_text().splitlines():
         for task, entry in json.loads(line)["eval"].items():
             assert ("clients" in entry) == caps.client_evaluation, task
             assert ("accuracy_nonlinear" in entry) == caps.linearized, task
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_declared_capabilities_are_the_hooks_implemented(name):
+    """A strategy derives from a hook class (`Linearized`, `CompactExport`, `Packaging`, `ClientRemoval`)
+    exactly when its capabilities declare what the hook serves, so engines and exporters can read the
+    declaration and call the hook; evaluation on the clients comes with `client_task_parameters`. Read
+    on the class, `capabilities` are those of the default options, and equal a default instance's."""
+    cls = STRATEGIES[name]
+    strategy = cls(cls.config_class())
+    caps = strategy.capabilities
+    assert isinstance(caps, Capabilities) and cls.capabilities == caps
+    for hook, declared in hooks_declared(caps).items():
+        assert isinstance(strategy, hook) == declared, f"{name}: declares {hook.__name__}: {declared}"
+    evaluates_on_clients = cls.client_task_parameters is not Strategy.client_task_parameters
+    assert evaluates_on_clients == caps.client_evaluation
+    for probed in ("uses_secure_aggregation", "linearization_point", "compact_form", "package", "remove_client"):
+        assert not hasattr(Strategy, probed), probed  # optional hooks live on their hook classes only
+
+
+def test_capabilities_follow_the_options_that_decide_them():
+    """FedYolo's secure aggregation is an option: its instance's capabilities say whether it is on."""
+    on, off = (build_strategy("fedyolo", {"secure_aggregation": flag}) for flag in (True, False))
+    assert on.capabilities.secure_aggregation and not off.capabilities.secure_aggregation
+    assert on.capabilities.exports == off.capabilities.exports == STRATEGIES["fedyolo"].capabilities.exports
+    assert not STRATEGIES["fedyolo"].capabilities.secure_aggregation  # the class: the default options

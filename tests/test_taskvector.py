@@ -10,8 +10,10 @@ import safetensors.torch
 import torch
 import transformers
 
-from hf_fedtask.core import taskvector
-from hf_fedtask.core.taskvector import TaskVector, inspect_file, make_metadata, peft_config_hash, validate
+from hf_fedtask.core import taskvector_file
+from hf_fedtask.core.config_hash import peft_config_hash
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import inspect_file, make_metadata, validate
 from hf_fedtask.errors import TaskVectorError
 
 
@@ -296,7 +298,7 @@ def test_failed_save_leaves_existing_file_untouched(tmp_path, monkeypatch, tv, m
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(taskvector.safetensors.torch, "save_file", failing_save_file)
+    monkeypatch.setattr(taskvector_file.safetensors.torch, "save_file", failing_save_file)
     with pytest.raises(OSError, match="disk full"):
         (tv * 3).save(path, metadata=meta)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["out.safetensors"]

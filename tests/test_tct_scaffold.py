@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SHARED, head_name
+from hf_fedtask.core.state import SHARED, control_name, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data.images import fashion_mnist_available, read_idx
 from hf_fedtask.engine.environment import Environment
@@ -21,7 +21,6 @@ from hf_fedtask.engine.run import run
 from hf_fedtask.errors import ConfigError, DataError
 from hf_fedtask.model.entk import coordinate_subset, entk_features, per_sample_loop
 from hf_fedtask.strategies import ClientJob
-from hf_fedtask.strategies.scaffold import control_name
 from hf_fedtask.strategies.tct import regression_steps, targets
 
 IMAGES = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-cnn", peft_method="full",

@@ -3,6 +3,7 @@ PEFT model, started from a given state and returning the trained state as tensor
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import tempfile
 from collections.abc import Sequence
@@ -21,19 +22,26 @@ from hf_fedtask.model.host import PeftHost
 
 @dataclass
 class LocalTrainingArgs:
-    """The client optimiser recipe; maps 1:1 onto `TrainingArguments`."""
+    """The client optimiser recipe: RunConfig's local-training settings, under their RunConfig names and
+    with no defaults of their own (`from_run`). `LocalTrainer` translates them into `TrainingArguments`."""
 
-    epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides epochs: a fixed number of optimizer steps per task per round
-    batch_size: int = 32
-    learning_rate: float = 5e-3
-    lr_scheduler: str = "linear"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float = 1.0
-    optim: str = "adamw_torch"
-    mixed_precision: str = "no"  # no | bf16 | fp16: Trainer's autocast; the parameters and task vectors stay fp32
+    local_epochs: float
+    local_steps: int  # > 0 overrides local_epochs: a fixed number of optimizer steps per task per round
+    batch_size: int
+    learning_rate: float
+    lr_scheduler: str
+    warmup_steps: int
+    weight_decay: float
+    gradient_accumulation_steps: int
+    max_grad_norm: float
+    optimizer: str
+    mixed_precision: str  # no | bf16 | fp16: Trainer's autocast; the parameters and task vectors stay fp32
+
+    @classmethod
+    def from_run(cls, config) -> LocalTrainingArgs:
+        """The recipe of `config`'s local-training settings; `config` is a `hf_fedtask.config.RunConfig`
+        (read by field name: the client layer does not import the config layer above it)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
@@ -103,7 +111,7 @@ class LocalTrainer:
         hide_launch_from_trainers()
         self._scratch = tempfile.TemporaryDirectory(prefix="hf_fedtask_trainer_")
         # Trainer.train() ends in accelerate's free_memory(), a full gc.collect() over every object of
-        # the process (~0.3 s with a model and datasets loaded) on each client call. The host model,
+        # the process on each client call (benchmarks/client_overhead.py times it). The host model,
         # input preparer and data live as long as the run, so move them out of the collector's scans once.
         gc.collect()
         gc.freeze()
@@ -120,18 +128,18 @@ class LocalTrainer:
     def _fit(self, model, data: Dataset, seed: int, objectives: Sequence[Objective]) -> tuple[TaskVector, dict]:
         a = self.args
         device = self.host.device
-        targs = _HostDeviceArguments(
+        targs = _HostDeviceArguments(  # the one place hf_fedtask's setting names become transformers'
             output_dir=self._scratch.name,
             per_device_train_batch_size=a.batch_size,
-            num_train_epochs=a.epochs,
-            max_steps=a.max_steps,
+            num_train_epochs=a.local_epochs,
+            max_steps=a.local_steps,
             learning_rate=a.learning_rate,
             lr_scheduler_type=a.lr_scheduler,
             warmup_steps=a.warmup_steps,
             weight_decay=a.weight_decay,
             gradient_accumulation_steps=a.gradient_accumulation_steps,
             max_grad_norm=a.max_grad_norm,
-            optim=a.optim,
+            optim=a.optimizer,
             seed=seed,
             data_seed=seed,
             use_cpu=device.type == "cpu",

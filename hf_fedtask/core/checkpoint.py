@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_fedtask.core.state import ClientStore, GlobalState
-from hf_fedtask.core.taskvector import TaskVector, make_metadata, validate
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import make_metadata, validate
 from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 from hf_fedtask.errors import OutputDirError, TaskVectorError
 

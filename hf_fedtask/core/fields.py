@@ -13,10 +13,11 @@ from hf_fedtask.errors import ConfigError
 
 
 def option(default, help: str, choices: tuple | None = None, minimum: float | None = None,
-           maximum: float | None = None, **kwargs):
-    """A dataclass field with `help` (shown by `--help`), optional `choices` and an inclusive range
-    (`minimum`, `maximum`; for a list, of each element)."""
-    metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+           maximum: float | None = None, exclusive_minimum: bool = False, **kwargs):
+    """A dataclass field with `help` (shown by `--help`), optional `choices` and a range (`minimum`,
+    `maximum`, inclusive unless `exclusive_minimum`; for a list, of each element)."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
+                "exclusive_minimum": exclusive_minimum}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
@@ -70,9 +71,25 @@ def check_fields(obj, source: str = "config") -> None:
         choices = f.metadata.get("choices")
         if choices and any(v not in choices for v in values):
             raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
-        low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
-        if any((low is not None and v < low) or (high is not None and v > high) for v in values):
-            bounds = f"in [{low}, {high}]" if low is not None and high is not None else \
-                (f">= {low}" if low is not None else f"<= {high}")
-            raise ConfigError(f"{where}: must be {bounds}, got {value!r}")
+        low, high, open_low = f.metadata.get("minimum"), f.metadata.get("maximum"), f.metadata.get("exclusive_minimum")
+        if any((low is not None and (v <= low if open_low else v < low)) or (high is not None and v > high)
+               for v in values):
+            raise ConfigError(f"{where}: must be {_bounds(low, high, open_low)}, got {value!r}")
         object.__setattr__(obj, f.name, value)
+
+
+def allowed_values(f: dataclasses.Field) -> str | None:
+    """What `f` accepts, for help texts: `{a, b}`, `(>= 1)`, `(in (0.0, 1.0])`; None if any value of its type."""
+    meta = f.metadata or {}
+    if meta.get("choices"):
+        return "{" + ", ".join(map(str, meta["choices"])) + "}"
+    if meta.get("minimum") is not None or meta.get("maximum") is not None:
+        return f"({_bounds(meta.get('minimum'), meta.get('maximum'), meta.get('exclusive_minimum'))})"
+    return None
+
+
+def _bounds(low, high, open_low: bool) -> str:
+    """A range in words: `in (0, 1]`, `>= 1`, `<= 5`."""
+    if low is not None and high is not None:
+        return f"in {'(' if open_low else '['}{low}, {high}]"
+    return f"{'>' if open_low else '>='} {low}" if low is not None else f"<= {high}"

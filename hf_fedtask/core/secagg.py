@@ -32,7 +32,8 @@ Threat model and simplifications versus Bonawitz et al. (honest-but-curious serv
 Hand-written: no well-kept PyPI library implements pairwise-mask secure aggregation for torch
 tensors (the existing ones are framework-bound research code or unmaintained).
 
-Errors: :class:`SecAggError` (one line naming the client and the key at fault).
+Errors: :class:`hf_fedtask.errors.SecAggError`, a protocol error (one line naming the client and the
+key at fault).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import numpy as np
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.errors import FedTaskError
+from hf_fedtask.errors import SecAggError
 
 __all__ = [
     "DEFAULT_SCALE",
@@ -81,13 +82,6 @@ _P_BYTES = (MODP_2048_P.bit_length() + 7) // 8
 # Private exponents of 320 bits: ~160-bit security against discrete-log attacks on the exponent,
 # above the ~112 bits of the 2048-bit group, at an eighth of the cost of full-size exponents.
 _EXPONENT_BITS = 320
-
-
-class SecAggError(FedTaskError, ValueError):
-    """Secure aggregation refused an input: bad upload, overflow, late or unknown client, too few survivors.
-
-    A :class:`FedTaskError` so the CLI reports it in one line, and a ``ValueError`` as it flags bad input.
-    """
 
 
 class PairSeedRevealer(Protocol):

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_fedtask.core.taskvector import TaskVector, make_metadata
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import make_metadata
 
 SEPARATOR = "::"
 

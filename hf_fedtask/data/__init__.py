@@ -1,14 +1,8 @@
 """Tasks and the data layer: the builtin offline suites, loading any task reference, partitioning a
 task's data among federated clients, and dataset cards/export."""
 
-from hf_fedtask.data.builtin import (
-    BUILTIN_TASKS,
-    SUITE_VERSION,
-    SUITES,
-    BuiltinTask,
-    load_builtin_task,
-    load_suite,
-)
+from hf_fedtask.data.builtin import SUITE_VERSION, load_builtin_task, load_suite
+from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES, BuiltinTask
 from hf_fedtask.data.partition import (
     build_federation,
     classes_per_client,

@@ -16,7 +16,8 @@ from datasets import (
     load_from_disk,
 )
 
-from hf_fedtask.data.builtin import BUILTIN_TASKS, load_builtin_task
+from hf_fedtask.data.builtin import load_builtin_task
+from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS
 from hf_fedtask.data.images import IMAGE_TASKS
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError

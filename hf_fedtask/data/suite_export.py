@@ -12,13 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from hf_fedtask.data.builtin import (
-    BUILTIN_TASKS,
-    SUITE_VERSION,
-    SUITES,
-    load_suite,
-    save_quietly,
-)
+from hf_fedtask.data.builtin import SUITE_VERSION, load_suite, save_quietly
+from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError
 

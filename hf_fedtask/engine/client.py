@@ -13,11 +13,12 @@ import json
 from hf_fedtask.client.evaluation import evaluate
 from hf_fedtask.core.secagg import SecAggClient
 from hf_fedtask.core.state import ClientStore
-from hf_fedtask.core.taskvector import TaskVector, make_metadata
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import make_metadata
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import ProtocolError
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN, ClientJob
 
 
@@ -34,7 +35,7 @@ class ClientRuntime:
     def handle(self, ins: Instruction, store: ClientStore) -> bytes:
         """The reply to `ins`; `store` (the client's private tensors) is updated in place."""
         if ins.client_id != self.client_id:
-            raise ConfigError(f"client {self.client_id} received an instruction for client {ins.client_id}")
+            raise ProtocolError(f"client {self.client_id} received an instruction for client {ins.client_id}")
         query = ins.config.get("query", "")
         if ins.kind == QUERY and query == SECAGG_PUBLIC_KEY:
             return self._metadata_reply(ins, public_key=str(self._secagg().public_key))
@@ -58,7 +59,7 @@ class ClientRuntime:
             metrics = {task: self._evaluate(strategy.client_task_parameters(downlink, job, task), task)
                        for task in ins.config["tasks"]}
             return ClientUpdate(self.client_id, ins.round, {}, job.num_samples(), metrics).to_bytes(**env.header())
-        raise ConfigError(f"unknown message kind {ins.kind!r}")
+        raise ProtocolError(f"unknown message kind {ins.kind!r}")
 
     def _evaluate(self, params: TaskVector, task: str) -> dict:
         t = self.env.task_by_name[task]

@@ -17,8 +17,9 @@ from datasets import Dataset, DatasetDict
 
 from hf_fedtask.client.trainer import LocalTrainer, LocalTrainingArgs
 from hf_fedtask.config import RunConfig
+from hf_fedtask.core.config_hash import peft_config_hash
 from hf_fedtask.core.state import SHARED, GlobalState, head_name
-from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import build_federation, load_suite, load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
 from hf_fedtask.data.task import Task, TaskInfo
@@ -76,23 +77,8 @@ def backbone_name(base: BaseModelRef) -> str:
 
 
 def build_trainer(host: PeftHost, config: RunConfig) -> LocalTrainer:
-    """The local-training recipe from the config's optimizer keys."""
-    return LocalTrainer(
-        host,
-        LocalTrainingArgs(
-            epochs=config.local_epochs,
-            max_steps=config.local_steps,
-            batch_size=config.batch_size,
-            learning_rate=config.learning_rate,
-            lr_scheduler=config.lr_scheduler,
-            warmup_steps=config.warmup_steps,
-            weight_decay=config.weight_decay,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            optim=config.optimizer,
-            max_grad_norm=config.max_grad_norm,
-            mixed_precision=config.mixed_precision,
-        ),
-    )
+    """The local trainer with the config's local-training settings."""
+    return LocalTrainer(host, LocalTrainingArgs.from_run(config))
 
 
 class Environment:
@@ -156,15 +142,12 @@ class Environment:
     @cached_property
     def partition(self) -> list[dict[str, Dataset]]:
         """Every client's raw train data per task (the seeded partitioner: the same in every process);
-        the backdoored client's (`backdoor_client`) carry the trigger and the target label."""
+        the backdoored client's (`backdoor_client`) carry the trigger and the target label. The client
+        ids the config names were checked against `client_count` when it was built."""
         c = self.config
-        clients = build_federation(self._training_splits[0], c.num_clients or len(self.tasks), zeta=c.zeta,
+        clients = build_federation(self._training_splits[0], c.client_count, zeta=c.zeta,
                                    partition=c.partition, alpha=c.alpha, classes_per_client=c.classes_per_client,
                                    seed=c.seed, min_samples=c.min_samples)
-        outside = [k for k in [*c.exclude_clients, c.backdoor_client] if k >= len(clients)]
-        if outside:
-            raise ConfigError(f"client {outside[0]} (exclude_clients / backdoor_client) is outside this run's "
-                              f"{len(clients)} clients")
         if c.backdoor_client >= 0:
             for name, data in clients[c.backdoor_client].items():
                 task = self.task_by_name[name]

@@ -31,7 +31,7 @@ from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.engine.transport import InProcessTransport
-from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.errors import FedTaskError, ProtocolError
 from hf_fedtask.model.device import Launch, hide_launch_from_trainers, launch
 
 ACK_WAIT = timedelta(seconds=60)  # for the other ranks to read the end of a run
@@ -229,8 +229,8 @@ def serve(config) -> dict:
     for seq in count():
         header, blobs = _unframe(_take(store, f"hf_fedtask/{session}/{seq}/to/{here.rank}"))
         if header["fingerprint"] != config.fingerprint():
-            raise ConfigError(f"rank {here.rank} was started with another config than rank 0: every rank must run the "
-                              "same command")
+            raise ProtocolError(f"rank {here.rank} was started with another config than rank 0: every rank must run "
+                                "the same command")
         if header["op"] == "end":
             _put(store, f"hf_fedtask/{session}/{seq}/from/{here.rank}", _frame({"ack": True}))
             _raise(header, "rank 0")

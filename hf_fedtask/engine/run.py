@@ -1,6 +1,7 @@
-"""A federated run, whatever the engine: claim the output folder, restore or initialise the state,
-drive the shared round loop (`Server.round`) through the engine's transport, checkpoint and log
-every round, and finish with results, plots and exports.
+"""The federated run loop, whatever the engine: claim the output folder and restore or initialise
+the state (`hf_fedtask.engine.run_folder`), drive the shared round loop (`Server.round`) through the
+engine's transport, checkpoint and log every round, and finish with results.json
+(`hf_fedtask.engine.results`), plots and exports.
 
     run(config)                                  # in-process: every client here, one host model
     run(config, engine=grid_engine(grid))        # the same loop, clients in Flower SuperNodes
@@ -13,44 +14,40 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from hf_fedtask.core.files import (
-    LOCK_FILE,
-    folder_lock,
-    remove_stale_staging,
-    write_atomic,
-)
-from hf_fedtask.core.state import SHARED, ClientStore, GlobalState
-from hf_fedtask.data.reference import shipped_reference
-from hf_fedtask.data.task import TaskInfo
+from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from hf_fedtask.core.files import folder_lock, remove_stale_staging, write_atomic
+from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
 from hf_fedtask.engine.ranks import RankTransport, rank_store, release_ranks, serve
-from hf_fedtask.engine.server import Server, nonlinear_mean
+from hf_fedtask.engine.results import summarize_results
+from hf_fedtask.engine.run_folder import (
+    METRICS_FILE,
+    PAYLOADS_DIR,
+    PLOT_FILE,
+    RESULTS_FILE,
+    UNLEARNING_PLOT_FILE,
+    check_output_dir,
+    claim_output_dir,
+    load_run_config,
+    restore,
+)
+from hf_fedtask.engine.server import Server
 from hf_fedtask.engine.transport import InProcessTransport, Transport
-from hf_fedtask.errors import ConfigError, OutputDirError
+from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.artifacts import RunExport, export_adapters
 from hf_fedtask.export.compact import storage_report
-from hf_fedtask.model.device import launch, peak_gpu_memory
-from hf_fedtask.report import evaluated, forgetting, forgotten_what, plot_metric_vs_round, plot_unlearning
+from hf_fedtask.model.device import launch
+from hf_fedtask.report import forgotten_what, plot_metric_vs_round, plot_unlearning
 
 logger = logging.getLogger(__name__)
-
-RUN_CONFIG_FILE = "run_config.yaml"
-METRICS_FILE = "metrics.jsonl"
-RESULTS_FILE = "results.json"
-PLOT_FILE = "accuracy_vs_round.png"
-UNLEARNING_PLOT_FILE = "unlearning.png"
-PAYLOADS_DIR = "payloads"
 
 Engine = Callable[[Environment], Transport]
 """An engine builds the transport that carries a run's instructions to its clients."""
@@ -61,52 +58,6 @@ def in_process(env: Environment) -> Transport:
     return InProcessTransport(env)
 
 
-def load_run_config(run_dir: str | Path) -> RunConfig:
-    """The config a run folder was written with (earlier releases' layouts included)."""
-    return RunConfig.from_yaml(Path(run_dir) / RUN_CONFIG_FILE, saved=True)
-
-
-def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Path:
-    """Refuse an `output_dir` that holds something else, before any work starts (read-only)."""
-    run_dir = Path(config.output_dir)
-    saved = run_dir / RUN_CONFIG_FILE
-    if run_dir.exists() and not run_dir.is_dir():
-        raise OutputDirError(f"{run_dir}: exists and is not a directory; choose another --output-dir")
-    if _holds_something(run_dir) and not overwrite:
-        if not saved.exists():
-            raise OutputDirError(f"{run_dir}: output dir is not empty and holds no hf_fedtask run; choose another --output-dir")
-        previous = load_run_config(run_dir)
-        if previous.fingerprint() != config.fingerprint():
-            mine, theirs = config.flat(), previous.flat()
-            changed = [k for k in sorted(set(mine) | set(theirs))
-                       if k not in RunConfig.RESUMABLE_CHANGES and mine.get(k) != theirs.get(k)]
-            raise OutputDirError(
-                f"{run_dir}: already holds a different run (differs in {', '.join(changed)}); "
-                "choose another --output-dir or pass --overwrite"
-            )
-        if not resume:
-            raise OutputDirError(f"{run_dir}: already holds this run; pass --resume to continue it or --overwrite to restart")
-    elif resume and not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: nothing to resume (no {CHECKPOINT_FILE})")
-    return run_dir
-
-
-def _holds_something(run_dir: Path) -> bool:
-    return run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
-
-
-def claim_output_dir(config: RunConfig, *, overwrite: bool) -> Path:
-    """Clear the folder on `overwrite` (keeping the lock file) and write the run's config (call under its lock)."""
-    run_dir = Path(config.output_dir)
-    if overwrite and run_dir.exists():
-        for p in run_dir.iterdir():
-            if p.name != LOCK_FILE:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / RUN_CONFIG_FILE, config.to_yaml())
-    return run_dir
-
-
 @dataclass
 class RoundContext:
     """Passed to round callbacks (progress hooks, tests that simulate a crash)."""
@@ -114,29 +65,6 @@ class RoundContext:
     round: int
     state: GlobalState
     record: dict
-
-
-def restore(env: Environment, run_dir: str | Path, fingerprint: str,
-            allocation: dict[int, list[str]] | None = None) -> tuple[GlobalState, list[dict], dict[int, ClientStore]]:
-    """The state, history and client stores in `run_dir`'s checkpoint (of the run with `fingerprint`),
-    validated against the strategy's layout for the checkpoint's round (its phase)."""
-    initial = env.initial_state(allocation)
-    return load_checkpoint(Path(run_dir), fingerprint=fingerprint,
-                           template=lambda scalars: env.strategy.state_template(initial, scalars))
-
-
-def read_history(run_dir: str | Path) -> list[dict]:
-    """A run's round records, from its metrics.jsonl."""
-    return [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines()]
-
-
-def checkpoint_allocation(run_dir: str | Path) -> dict[int, list[str]]:
-    """The task allocation recorded in a checkpoint's header (so no data need be partitioned)."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(run_dir) / CHECKPOINT_FILE), "pt") as f:
-        scalars = json.loads(f.metadata()["scalars"])
-    return {int(c): tasks for c, tasks in scalars["allocation"].items()}
 
 
 def run(
@@ -266,112 +194,6 @@ def run_export(env: Environment, stores: dict[int, ClientStore] | None) -> RunEx
                      base_model_id=host.base.model_id, stores=stores,
                      classifier_config=host.classifier_config(), processor=host.inputs.processor,
                      output_space=env.output_space)
-
-
-@dataclass
-class FinishedRun:
-    """A run folder opened for export, unlearning or personalization: its environment (nothing
-    tokenized until asked), final state, history and the client stores it checkpointed."""
-
-    env: Environment
-    state: GlobalState
-    history: list[dict]
-    stores: dict[int, ClientStore]
-    run_dir: Path
-
-
-def open_finished_run(run_dir: str | Path, tasks: list[TaskInfo] | None = None) -> FinishedRun:
-    """A run folder's environment (from its saved config), final state, history and stores. `tasks`:
-    the run's tasks without their data (`task_infos(results)`), for work that needs no data."""
-    run_dir = Path(run_dir)
-    if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run (needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
-    config = load_run_config(run_dir)
-    env = Environment(config, tasks=tasks)
-    state, history, stores = restore(env, run_dir, config.fingerprint(), allocation=checkpoint_allocation(run_dir))
-    return FinishedRun(env, state, history, stores, run_dir)
-
-
-def task_infos(results: dict, modality: str) -> list[TaskInfo]:
-    """The tasks a results.json describes (label names, metric, chance, group), without their data."""
-    return [TaskInfo(name, tuple(r["label_names"]), r["metric"], modality, r.get("chance"), r.get("group"))
-            for name, r in results["tasks"].items()]
-
-
-def summarize_results(env: Environment, state: GlobalState, history: list[dict], transport: Transport | None = None,
-                      stores: dict | None = None) -> dict:
-    """results.json: final per-task metrics (normalized by the shipped individual-centralized
-    reference where one exists for the task and base model) and the run's metadata."""
-    config, strategy = env.config, env.strategy
-    final = history[-1]["eval"] if history and "eval" in history[-1] else Server(env).evaluate(state, transport, stores)
-    compact = Server(env).evaluate_compact(state)  # the storage-saving export's own accuracy, reported beside
-    reference = shipped_reference(config.base_model)
-    tasks = {}
-    for t in env.tasks:
-        r = {**final[t.name], "metric": t.metric, "num_labels": t.num_labels, "label_names": t.label_names,
-             "chance": t.chance, "group": t.group}
-        if t.name in compact:
-            r[f"{t.metric}_compact"] = compact[t.name]
-        if t.name in reference and reference[t.name].get(t.metric):
-            r["individual_centralized"] = reference[t.name][t.metric]
-            r["normalized"] = r[t.metric] / r["individual_centralized"]
-            if t.name in compact:
-                r["normalized_compact"] = compact[t.name] / r["individual_centralized"]
-        tasks[t.name] = r
-    normalized = [r["normalized"] for r in tasks.values() if "normalized" in r]
-    compact_summary = {"mean_metric_compact": float(np.mean(list(compact.values())))} if compact else {}
-    if compact and len(normalized) == len(tasks):
-        compact_summary["mean_normalized_compact"] = float(np.mean([r["normalized_compact"] for r in tasks.values()]))
-    return {
-        "strategy": strategy.name,
-        "strategy_paper": strategy.paper,
-        "hyperparameters": strategy.hyperparameters(),
-        "config": config.to_dict(),
-        "base_model": env.host.base.model_id,
-        "base_model_revision": env.host.base.revision,
-        "peft_method": config.peft_method,
-        "device": str(env.host.device),
-        "processes": launch().world_size,
-        **({"peak_gpu_memory": gpu} if (gpu := peak_gpu_memory()) is not None else {}),
-        "rounds": state.round,
-        "num_clients": len(state.allocation),
-        "allocation": {str(c): held for c, held in sorted(state.allocation.items())},
-        "tasks": tasks,
-        "mean_metric": float(np.mean([r[r["metric"]] for r in tasks.values()])),
-        **nonlinear_mean(final, env.tasks),
-        "mean_normalized": float(np.mean(normalized)) if len(normalized) == len(tasks) else None,
-        **compact_summary,
-        "bytes_uplink": sum(h["bytes_uplink"] for h in history),
-        "bytes_downlink": sum(h["bytes_downlink"] for h in history),
-        "shared_parameters": sum(t.numel() for t in state.vectors.get(SHARED, {}).values()),
-        **{k: sum(h.get(k, 0) for h in history) for k in ("params_uplink", "params_downlink")},  # T x M x P
-        **unlearning_summary(history, env, state),
-    }
-
-
-def unlearning_summary(history: list[dict], env: Environment, state: GlobalState) -> dict:
-    """`{"unlearning": ...}` for a run that negated the forgotten tasks' or clients' updates: from
-    which round, by how many clients, and each task's metric before and after (empty otherwise)."""
-    if not env.strategy.capabilities.federated_unlearning:
-        return {}
-    options = env.strategy.config
-    forget, forget_clients = options.forget_tasks or [], options.forget_clients or []
-    first = next((h for h in history if forgetting(h)), None)
-    if first is None:
-        return {}
-    before = next((h for h in reversed(evaluated(history)) if h["round"] < first["round"]), None)
-    holders = sorted({c for c, tasks in state.allocation.items() if set(tasks) & set(forget)} | set(forget_clients))
-    return {"unlearning": {
-        "method": "federated: the updates of the forgotten clients (and of the clients holding the forgotten tasks) "
-                  "were negated before aggregation",
-        "tasks": forget,
-        "forgotten_clients": forget_clients,
-        "clients": holders,
-        "from_round": first["round"],
-        "rounds": history[-1]["round"] - first["round"] + 1,
-        "before": {t: before["eval"][t] for t in before["eval"]} if before else None,
-        "after": evaluated(history)[-1]["eval"],
-    }}
 
 
 class _Tracker:

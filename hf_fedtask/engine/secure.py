@@ -18,7 +18,7 @@ import torch
 from hf_fedtask.core.secagg import SecAggServer
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import SecAggError
 
 
 class SecureAggregation:
@@ -52,7 +52,7 @@ class SecureAggregation:
         for its pairwise seeds with the dropped clients."""
         survivors = {cid: _Revealer(cid, reveal) for cid in self.server.received}
         if len(survivors) < 2:
-            raise ConfigError(f"secure aggregation, round {self.round}: {len(survivors)} upload(s) arrived; "
+            raise SecAggError(f"secure aggregation, round {self.round}: {len(survivors)} upload(s) arrived; "
                               "at least 2 are needed")
         total = self.server.finish(survivors)
         return ClientUpdate(client_id=-1, round=self.round, vectors=unpack_vectors(total), num_samples={})

@@ -73,7 +73,7 @@ class Server:
                               "use --mixed-precision no")
         env.partition  # noqa: B018  (too few samples per client fails here)
         env.initial  # noqa: B018  (a strategy that cannot lay out its state fails here)
-        if self.strategy.uses_secure_aggregation() and self.clients_per_round < 2:
+        if self.strategy.capabilities.secure_aggregation and self.clients_per_round < 2:
             raise ConfigError(f"secure_aggregation needs at least 2 clients per round, this run samples "
                               f"{self.clients_per_round}: raise participation or num_clients")
         if self.config.backdoor_client >= 0 and self.strategy.capabilities.client_evaluation:
@@ -106,7 +106,7 @@ class Server:
         kind = strategy.message_kind(state)
         config = {"query": strategy.query_name(state)} if kind == QUERY else {}
         secure = None
-        if kind == TRAIN and strategy.uses_secure_aggregation():
+        if kind == TRAIN and strategy.capabilities.secure_aggregation:
             secure, clients = self._key_exchange(state, round_, clients, transport)
             config["secagg_peers"] = secure.peers
         sent = {c: pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes() for c in clients}
@@ -214,7 +214,7 @@ class Server:
             t = self.env.task_by_name[name]
             out[t.name] = score(self.predict(state, t.name, self.env.test_data(t.name), stores), self.env.test_data(t.name),
                                 t.metric)
-            if self.strategy.linearization_point(state, t.name) is not None:
+            if self.strategy.capabilities.linearized:
                 preds = self.predict(state, t.name, self.env.test_data(t.name), stores, nonlinear=True)
                 out[t.name][f"{t.metric}_nonlinear"] = score(preds, self.env.test_data(t.name), t.metric)[t.metric]
         for task in self.env.backdoor_tasks:
@@ -239,14 +239,16 @@ class Server:
         (e.g. TCT's stage 2), the linearized model of linearized strategies (or, `nonlinear`, the
         ordinary model at the same parameters), or the host model carrying the task's parameters
         (its own rows of a shared head, `Environment.task_view`)."""
-        host, batch = self.env.host, self.config.eval_batch_size
-        preds = None if nonlinear else self.strategy.predict(state, task, host, data, batch)
+        strategy, host, batch = self.strategy, self.env.host, self.config.eval_batch_size
+        preds = None if nonlinear else strategy.predict(state, task, host, data, batch)
         if preds is not None:
             return preds
-        point = None if nonlinear else self.strategy.linearization_point(state, task)
-        return predict(host, self.env.task_view(self.strategy.task_parameters(state, task, stores), task), data, batch,
-                       linearize_at=None if point is None else self.env.task_view(point, task),
-                       linearization=self.strategy.linearization)
+        params = self.env.task_view(strategy.task_parameters(state, task, stores), task)
+        if nonlinear or not strategy.capabilities.linearized:
+            return predict(host, params, data, batch)
+        point = strategy.linearization_point(state, task)  # None: a phase without one (the ordinary model)
+        return predict(host, params, data, batch, linearize_at=None if point is None else self.env.task_view(point, task),
+                       linearization=strategy.linearization)
 
     def _evaluate_on_clients(self, state: GlobalState, transport: Transport) -> dict[str, dict]:
         """Every holder evaluates its own model of each of its tasks on the task's test split; a task's

@@ -15,7 +15,7 @@ from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
 
 from hf_fedtask.core.files import staged_folder
-from hf_fedtask.core.taskvector import safetensors_ready
+from hf_fedtask.core.taskvector_file import safetensors_ready
 from hf_fedtask.errors import ConfigError, FedTaskError, TaskVectorError
 
 

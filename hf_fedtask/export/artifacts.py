@@ -59,6 +59,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
     Strategies with a compact form (MaTU) also get `run_dir/compact/` (one unified vector, T
     bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned."""
     peft_config = spec.peft_config
+    # the declared exports, each through the hook it comes with: linearized (`Linearized`), tct (`Packaging`),
+    # compact (`CompactExport`); the strategy contract test keeps declarations and hooks together
     exports = spec.strategy.capabilities.exports
     for folder in (run_dir, run_dir / ADAPTERS_DIR, run_dir / LINEARIZED_DIR, run_dir / TCT_DIR):  # a killed export's
         remove_stale_staging(folder)
@@ -95,8 +97,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
                      base_model_id=spec.base_model_id, card=cards[task.name], classifier_config=labelled,
                      processor=spec.processor)
-        point = spec.strategy.linearization_point(state, task.name)
-        if "linearized" in exports and point is not None:
+        point = spec.strategy.linearization_point(state, task.name) if "linearized" in exports else None
+        if point is not None:  # None: a phase without one (nothing linearized to export yet)
             point = spec.task_view(point, task.name)
             save_linearized(run_dir / LINEARIZED_DIR / task.name, peft_config=peft_config, point=point,
                             delta=params - point, base_model_id=spec.base_model_id, num_labels=task.num_labels,

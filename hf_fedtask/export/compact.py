@@ -1,11 +1,12 @@
 """Compact MaTU export: T task adapters stored as one shared PEFT init θ_p, one unified task vector τ,
 a 1-bit mask m_t and a rescaler λ_t per task, and each task's classification head.
 
-Task t's adapter is θ_p + λ_t·(m_t ⊙ τ) plus its head (MaTU §3), so T float32 adapters cost about
-2 + T/32 adapter sizes instead of T. `load_task_adapter` rebuilds one as a ready `PeftModel`;
+Task t's adapter is θ_p + λ_t·(m_t ⊙ τ) plus its head (MaTU: Tsouvalas, Ozcelebi and Meratnia, 2025,
+arXiv:2502.06376, §3.2), so T float32 adapters cost about 2 + T/32 adapter sizes instead of T.
+`load_task_adapter` rebuilds one as a ready `PeftModel`;
 `save_compact(..., task_folders=True)` also writes each as a stock PEFT folder `<folder>/<task>/`.
 
-Folder layout (safetensors files are task-vector files, see `hf_fedtask.core.taskvector`, whose header
+Folder layout (safetensors files are task-vector files, see `hf_fedtask.core.taskvector_file`, whose header
 carries `content` and the `peft_config_hash` of adapter_config.json, so mixed-up files are caught):
 
     adapter_config.json  the PEFT config; base_model_name_or_path is the base model id
@@ -39,8 +40,10 @@ import torch
 from peft import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
+from hf_fedtask.core.config_hash import peft_config_hash
 from hf_fedtask.core.files import staged_folder
-from hf_fedtask.core.taskvector import TaskVector, peft_config_hash, safetensors_ready
+from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.taskvector_file import safetensors_ready
 from hf_fedtask.errors import ConfigError, FedTaskError, OutputDirError, TaskVectorError
 from hf_fedtask.merge.bitmask import pack_bits, packed_size, unpack_bits
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import kernels
+from hf_fedtask.merge import fused_passes, kernels
 from hf_fedtask.merge.streaming import Layout
 from hf_fedtask.merge.ties import check_compatible
 
@@ -19,7 +19,7 @@ def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], ba
     A sequence (vectors already in memory, as a server holds its round's updates) is averaged in
     one pass that reads each vector once; any other iterable (say, a generator that reads files)
     is summed as it streams, so memory is O(d) however many vectors come. `backend`: "numba" (the
-    fused `kernels`: no float64 copy of any input; float32 CPU only), "torch" (the reference) or
+    fused `fused_passes`: no float64 copy of any input; float32 CPU only), "torch" (the reference) or
     "auto" (numba for float32 CPU inputs, torch for the others); all give the same result bit for bit.
     Vectors on an accelerator are averaged there (the torch path) and the mean stays there.
     Raises ValueError on no inputs, non-positive total weight, or keys or shapes that differ from the
@@ -37,7 +37,7 @@ def weighted_average(vectors: Iterable[TaskVector], weights: Iterable[float], ba
 def _mean_in_one_pass(vectors: Sequence[TaskVector], weights: list[float], layout: Layout) -> TaskVector:
     total = _total(weights)
     out = layout.empty_flat()
-    kernels.weighted_mean(kernels.Plan(layout, [layout.flat_views(tv) for tv in vectors]), weights, total, out)
+    fused_passes.weighted_mean(kernels.Plan(layout, [layout.flat_views(tv) for tv in vectors]), weights, total, out)
     return TaskVector(layout.unflatten(out))
 
 
@@ -57,7 +57,7 @@ def _running_mean(vectors: Iterable[TaskVector], weights: Iterable[float], backe
         flat = layout.flat_views(tv)
         if fused and kernels.use_kernels(backend, Layout([tv])):  # no float64 copy of the input
             plan = kernels.Plan(layout, [flat]) if plan is None else plan.rebind([flat])
-            kernels.add_scaled(plan, float(w), acc)
+            fused_passes.add_scaled(plan, float(w), acc)
         else:
             for k, t in flat.items():
                 acc[k].add_(t.to(torch.float64), alpha=float(w))
@@ -67,7 +67,7 @@ def _running_mean(vectors: Iterable[TaskVector], weights: Iterable[float], backe
     total = _total(used)
     if fused:
         out = layout.empty_flat()
-        kernels.divide(plan, acc, total, out)
+        fused_passes.divide(plan, acc, total, out)
         return TaskVector(layout.unflatten(out))
     return TaskVector(layout.unflatten({k: (v / total).to(layout.dtypes[k]) for k, v in acc.items()}))
 

@@ -24,8 +24,8 @@ from functools import reduce
 import torch
 
 # Bytes of one chunk of all N tasks. The merges keep two or three such buffers, which must stay in
-# the last-level cache beside the inputs streaming through it: 4 MiB measured best on a 32 MiB L3
-# (N=30, d=10M: 8 MiB was 10-25% slower, 2 MiB 5% slower).
+# the last-level cache beside the inputs streaming through it (the sizes compared:
+# benchmarks/merge_bench.py).
 CACHE_BYTES = 4 << 20
 MAX_CHUNK = 1 << 20  # entries per row when there are only a few tasks
 # On an accelerator there is no cache to fit: chunks only bound the scratch memory and the number of
@@ -73,7 +73,7 @@ class Layout:
         self.numels = {k: v.numel() for k, v in template.items()}
         self.numel = sum(self.numels.values())
         dtypes = {t.dtype for tv in vectors for t in tv.values()}
-        devices = {t.device for t in template.values()}  # O(keys + vectors): `.device` costs ~1 µs a call
+        devices = {t.device for t in template.values()}  # O(keys + vectors): `.device` is slow to read
         devices.update(next(iter(tv.values())).device for tv in vectors[1:] if len(tv))
         if len(devices) > 1:
             raise ValueError(f"task vectors on different devices ({', '.join(sorted(map(str, devices)))}): "

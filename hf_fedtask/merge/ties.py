@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import kernels
+from hf_fedtask.merge import fused_passes, kernels, threshold_select
 from hf_fedtask.merge.streaming import Layout, Piece, chunk_len, gather, scatter
 
 SIGN_METHODS = ("total", "frequency")
@@ -95,7 +95,7 @@ def ties(
     `scope="tensor"` trims each parameter on its own (peft's `ties`); `scope="model"` keeps the top
     `density` of each task vector as a whole (the TIES paper). Entries tied at a task's threshold
     value are kept in flat order until k are kept, as in `magnitude_prune`. Streams over the tensors
-    where they are. `backend`: "numba" (the fused kernels of `kernels`; float32 CPU only), "torch" (the
+    where they are. `backend`: "numba" (the fused kernels of `fused_passes`; float32 CPU only), "torch" (the
     reference streaming path; on an accelerator, the one taken) or "auto" (numba where it applies).
     Both give the same result bit for bit."""
     check_compatible(vectors, weights)
@@ -112,7 +112,8 @@ def ties(
         lambd = np.array([[-math.inf if cut[k].lambd is None else cut[k].lambd for k in layout.numels]
                           for cut in cuts])
         out = layout.empty_flat()
-        kernels.ties_merge(kernels.Plan(layout, flats), lambd, weights, majority_sign_method == "frequency", out)
+        fused_passes.ties_merge(kernels.Plan(layout, flats), lambd, weights, majority_sign_method == "frequency",
+                                out)
         _merge_tied_entries(flats, cuts, weights, majority_sign_method, out)
         return TaskVector(layout.unflatten(out))
     elif layout.device.type != "cpu":  # an accelerator: the selection in torch there, one task at a time
@@ -189,14 +190,14 @@ def sign_similarity(vectors: Sequence[TaskVector]) -> torch.Tensor:
 def agreement_mask(vectors: Sequence[TaskVector], rho: float = 0.4, backend: str = "auto") -> TaskVector:
     """MaTU Eq. 3 (from Gradient Masked Averaging): α[j] = |mean_n sgn(τ_n[j])|; the soft mask is 1
     where α ≥ ρ and α elsewhere, so disagreeing entries are scaled down, not dropped. `backend`:
-    "numba" (`kernels.agreement`: one read of each vector, no per-task sign tensors; float32),
+    "numba" (`fused_passes.agreement`: one read of each vector, no per-task sign tensors; float32),
     "torch" (the reference) or "auto"; both give the same mask bit for bit."""
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
     if kernels.use_kernels(backend, layout):
         flats = [layout.flat_views(tv) for tv in vectors]
         out = layout.empty_flat()
-        kernels.agreement(kernels.Plan(layout, flats), rho, out)
+        fused_passes.agreement(kernels.Plan(layout, flats), rho, out)
         return TaskVector(layout.unflatten(out))
     out = {}
     for key in vectors[0]:
@@ -291,7 +292,7 @@ def _select_all(flats: list[dict[str, torch.Tensor]], density: float, scope: str
         return [None] * len(flats)
     groups = [_populations(flat, density, scope) for flat in flats]
     todo = [(t, i) for t, pops in enumerate(groups) for i, (_, k) in enumerate(pops) if k > 0]
-    found = kernels.kth_largest_abs([[flats[t][key] for key in groups[t][i][0]] for t, i in todo],
+    found = threshold_select.kth_largest_abs([[flats[t][key] for key in groups[t][i][0]] for t, i in todo],
                                     [groups[t][i][1] for t, i in todo])
     selected = [[None] * len(pops) for pops in groups]
     for (t, i), result in zip(todo, found):
@@ -352,7 +353,7 @@ def _below(v: float, dtype: torch.dtype) -> float:
 def _kth_largest_abs(tensors: list[torch.Tensor], k: int) -> tuple[float, bool]:
     """The k-th largest |entry| v of the concatenated 1-D tensors (1 ≤ k ≤ n), and whether more than
     k entries have |x| ≥ v. One |x| copy of the population, selected in place with numpy's
-    introselect: torch.kthvalue and torch.topk are about ten times slower on millions of entries
+    introselect: torch.kthvalue and torch.topk are much slower on millions of entries
     on a CPU (on an accelerator, where numpy cannot reach, torch.kthvalue there)."""
     if tensors[0].device.type != "cpu":
         magnitude = torch.cat([t.abs() for t in tensors])

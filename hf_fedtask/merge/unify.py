@@ -1,6 +1,7 @@
-"""EMR-style unification (MaTU §3, client side): one unified task vector for T task vectors plus a
-binary mask and a scalar rescaler per task, from which each task's vector is approximately
-recovered as λ_t·(m_t ⊙ τ).
+"""EMR-style unification (EMR-Merging: Huang et al., NeurIPS 2024, arXiv:2405.17461; as MaTU's clients
+do it: Tsouvalas, Ozcelebi and Meratnia, 2025, arXiv:2502.06376, §3.2): one unified task vector for T
+task vectors plus a binary mask and a scalar rescaler per task, from which each task's vector is
+approximately recovered as λ_t·(m_t ⊙ τ).
 
     σ = sgn(Σ_t τ_t)                                   elected sign (0 where the sum is 0)
     μ[j] = max{|τ_t[j]| : sgn(τ_t[j]) = σ[j]}          largest agreeing magnitude
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import kernels
+from hf_fedtask.merge import fused_passes, kernels
 from hf_fedtask.merge.bitmask import pack_rows, packed_size, unpack_bits
 from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
 from hf_fedtask.merge.ties import check_compatible
@@ -58,7 +59,7 @@ class Unified:
 @torch.no_grad()
 def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: str = "auto") -> Unified:
     """Unify T task vectors into τ, T bit-packed masks and T rescalers. `backend`: "numba" (one fused
-    pass, `kernels`; float32 CPU tensors), "torch" (the reference; the path on an accelerator, where
+    pass, `fused_passes`; float32 CPU tensors), "torch" (the reference; the path on an accelerator, where
     τ and the masks are returned) or "auto" (numba where it applies): the same τ and masks bit for bit,
     rescalers within a few float32 ulps (their sums are accumulated in another order)."""
     if rescaler not in RESCALERS:
@@ -71,7 +72,7 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
     masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8, device=device)  # both paths write every byte
              for _ in vectors]
     if kernels.use_kernels(backend, layout):
-        sums = torch.from_numpy(kernels.unify_pass(kernels.Plan(layout, flats), unified, masks))
+        sums = torch.from_numpy(fused_passes.unify_pass(kernels.Plan(layout, flats), unified, masks))
         return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     n_tasks, keys = len(vectors), list(layout.numels)
     key_index = {k: j for j, k in enumerate(keys)}
@@ -116,7 +117,7 @@ def _rescalers(sums: torch.Tensor, layout: Layout, rescaler: str) -> list[float]
 
 
 def _positive(q: torch.Tensor, out: torch.Tensor) -> None:
-    """out = q > 0 (bool). numpy writes bools several times faster than torch; it lacks bfloat16 and
+    """out = q > 0 (bool). numpy writes bools faster than torch; it lacks bfloat16 and
     cannot reach an accelerator."""
     if q.dtype == torch.bfloat16 or q.device.type != "cpu":
         torch.gt(q, 0, out=out)

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-# SHA-256 of model.safetensors of the upstream repository at revision 1110a243 (environment-facts §2).
+# the PEFT methods a base model can carry, by short name (`hf_fedtask.model.peft_methods` builds their
+# configs; named here, without importing peft, so RunConfig checks `peft_method` on construction)
+PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full", "probe")
+# SHA-256 of model.safetensors of the upstream Hub repository, sentence-transformers/all-MiniLM-L6-v2 at
+# revision 1110a243 (`hf_fedtask.model.hub_cache.UPSTREAM_REVISION`); the embedded copy is byte-identical.
 DEFAULT_WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 
 
@@ -134,7 +138,7 @@ class TextInputs:
             enc["labels"] = batch[label_column]
             return enc
 
-        # An explicit fingerprint: otherwise `datasets` dill-hashes the tokenizer on every call (~1 s).
+        # An explicit fingerprint: otherwise `datasets` dill-hashes the whole tokenizer on every call.
         fingerprint = hashlib.sha256(
             f"{dataset._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{input_column}|{label_column}"
             .encode()

@@ -1,18 +1,22 @@
 """First-order Taylor models in the trainable parameters: the linearized ("tangent") network of
-NTKFedAvg and tangent task arithmetic, and the per-LoRA-layer linearization of L-LoRA.
+NTKFedAvg (Muhamed, Mankikar and Smith, 2024, Alg. 1) and tangent task arithmetic (Ortiz-Jimenez,
+Favero and Frossard, NeurIPS 2023, arXiv:2305.12827), and the per-LoRA-layer linearization of L-LoRA
+(Tang et al., ICLR 2024, arXiv:2310.04742).
 
     f_lin(x; θ) = f(x; θ_lin) + J_θ f(x; θ_lin) · (θ − θ_lin)
 
 θ are the model's trainable parameters (the PEFT modules and head, or every parameter under full
 fine-tuning); everything else stays frozen at its value. One forward pass with dual tensors
 (forward-mode AD over a `functional_call`) gives both terms, and gradients flow to θ through the
-tangent. Frozen layers take fused forward-mode rules (`hf_fedtask.model.tangent_rules`), which bring
-a training step to about 1.5× an ordinary one (benchmarks/linearize_bench.py).
+tangent. Frozen layers take fused forward-mode rules (`hf_fedtask.model.tangent_rules`), so that a
+training step costs little more than the extra tangent matmuls (benchmarks/linearize_bench.py measures
+it against an ordinary step; its results are in the README).
 
 Hand-written because no maintained library wraps an arbitrary (PEFT) `transformers` model this way:
-tangent_task_arithmetic and FusionBench carry research-code versions of the same two modes
-(merging-reference.md §6); this one follows their formulas and adds Trainer compatibility, attention
-selection and clear errors.
+research code carries the same two modes, the whole network in gortizji/tangent_task_arithmetic
+(src/linearize.py, `LinearizedModel`) and each LoRA layer in tanganke/fusion_bench
+(fusion_bench/models/linearized/linearized_model_utils.py, as in tanganke/peta); this one follows their
+formulas and adds Trainer compatibility, attention selection and clear errors.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from hf_fedtask.errors import FedTaskError
+from hf_fedtask.errors import LinearizationError
 from hf_fedtask.model.device import to_cpu
 from hf_fedtask.model.tangent_rules import (
     TANGENT_ATTENTION,
@@ -48,10 +52,6 @@ def _forward_ad_attention(model: nn.Module, fused: bool) -> str:
         register_tangent_attention()
         return TANGENT_ATTENTION
     return "eager"
-
-
-class LinearizationError(FedTaskError, ValueError):
-    """The model cannot be linearized (no trainable parameters, or an op without forward-mode AD)."""
 
 
 def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:

@@ -13,10 +13,8 @@ from peft import (
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.model.backbone import INPUT_KINDS
+from hf_fedtask.model.backbone import INPUT_KINDS, PEFT_METHODS
 from hf_fedtask.model.bottleneck import BottleneckConfig
-
-PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full", "probe")
 
 
 def make_peft_config(

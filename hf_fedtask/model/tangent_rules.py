@@ -77,8 +77,8 @@ class _SoftmaxTangent(torch.autograd.Function):
 # -- the frozen ops: ordinary forward and backward, jvp through the maps above ---------------------
 class _FrozenLinear(torch.autograd.Function):
     """`F.linear` with a frozen weight and bias. The generic `addmm` formula also spends a matmul on
-    the weight's (zero) tangent and another in the backward pass: in the linearized network, where
-    every frozen linear carries a tangent, that was about 30% of a training step."""
+    the weight's (zero) tangent and another in the backward pass, in the linearized network on every
+    frozen linear (benchmarks/linearize_bench.py gives what this rule saves)."""
 
     @staticmethod
     def forward(x, module):

@@ -9,8 +9,12 @@ reads like its paper's algorithm box. A client sees nothing but its downlink, it
 private `store`. Beyond training, a round may ask clients for statistics without training
 (`message_kind` QUERY, answered by `client_query`), tasks may be evaluated on their holders
 (`client_task_parameters`, for personal layers), and a strategy's state layout may change between
-phases (`state_template`). What a strategy supports is declared in `capabilities`; its options
-live in its config class (`config_class`), typed and validated on construction.
+phases (`state_template`). What a strategy supports is declared in `capabilities` (a function of its
+options where they decide it: `configured_capabilities`), and engines read nothing else; a capability
+that needs more than these functions comes with a hook class the strategy derives from
+(`Linearized`, `CompactExport`, `Packaging`, `ClientRemoval`; `hooks_declared` pairs them). Its
+options live in its config class (`config_class`), typed and validated on construction. The steps
+several strategies share (`fedavg_shared`, `average_heads`, `task_model`, `task_point`) are at the end.
 """
 
 from __future__ import annotations
@@ -18,17 +22,17 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from hf_fedtask.core.fields import check_fields
-from hf_fedtask.core.state import SHARED, ClientStore, GlobalState, head_name
+from hf_fedtask.core.state import HEAD, SHARED, ClientStore, GlobalState, head_name, point_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import ConfigError, ProtocolError
 from hf_fedtask.merge import weighted_average
 
 if TYPE_CHECKING:
@@ -38,9 +42,10 @@ if TYPE_CHECKING:
     from hf_fedtask.data.task import Task
     from hf_fedtask.model.host import PeftHost
 
-__all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", "ClientStore", "GlobalState",
-           "Strategy", "StrategyConfig", "average_heads", "build_strategy", "head_name", "register_strategy",
-           "updates_by_task"]
+__all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", "ClientRemoval", "ClientStore",
+           "CompactExport", "GlobalState", "Linearized", "Packaging", "Strategy", "StrategyConfig", "as_point",
+           "average_heads", "build_strategy", "configured_capabilities", "fedavg_shared", "head_name",
+           "hooks_declared", "register_strategy", "shared_mean", "task_model", "task_point", "updates_by_task"]
 
 TRAIN, QUERY, EVALUATE = "train", "query", "evaluate"
 """Message kinds: train (a client update), query (statistics or gradients, no training), evaluate."""
@@ -61,17 +66,38 @@ class StrategyConfig:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a strategy supports, declared: engines, exporters and the CLI consult this, never probe."""
+    """What a strategy supports, declared: engines, exporters and the CLI consult this, never probe. A
+    capability that needs a hook beyond `Strategy`'s functions names it; the strategy derives from that
+    hook class exactly when it declares the capability (`hooks_declared`)."""
 
     federated_unlearning: bool = False  # forget_tasks / forget_clients: holders' updates negated
     task_vector_tracking: bool = False  # track_task_vectors: one-shot negation of a task afterwards
-    secure_aggregation: bool = False  # secure_aggregation: the server receives only the masked sum
+    secure_aggregation: bool = False  # uploads are masked on the clients: the server receives only their sum
     client_evaluation: bool = False  # tasks are evaluated on their holders (personal layers stay there)
     personal_state: bool = False  # task models include client-private layers: exports need the clients' stores
     personalization: bool = True  # FedAvg+Local fine-tuning from the task models
-    linearized: bool = False  # evaluated as a linearized model (and exported as one beside the adapter)
-    exports: tuple[str, ...] = ("adapters",)  # + compact (MaTU), multi_adapter (per-task modules), linearized
-    phases: tuple[str, ...] = ("train",)  # names of the phases the state goes through
+    linearized: bool = False  # evaluated as a linearized model (and exported as one beside the adapter): `Linearized`
+    client_removal: bool = False  # a client removed from a finished run on the server alone: `ClientRemoval`
+    # + compact (`CompactExport`), multi_adapter (per-task modules), linearized, tct (`Packaging`)
+    exports: tuple[str, ...] = ("adapters",)
+
+
+class configured_capabilities:  # noqa: N801  (used as a decorator, like `property`)
+    """`capabilities` that depend on the strategy's options (e.g. FedYolo's `secure_aggregation`), declared
+    as a function of its config. Read on a strategy it answers for that strategy's options; read on the
+    class, for the default options.
+
+        @configured_capabilities
+        def capabilities(config: MyConfig) -> Capabilities:
+            return Capabilities(secure_aggregation=config.secure_aggregation)
+    """
+
+    def __init__(self, declare: Callable[[StrategyConfig], Capabilities]):
+        self.declare = declare
+        self.__doc__ = declare.__doc__
+
+    def __get__(self, strategy: Strategy | None, cls: type[Strategy]) -> Capabilities:
+        return self.declare(strategy.config if strategy is not None else cls.config_class())
 
 
 @dataclass
@@ -109,7 +135,7 @@ class Strategy(ABC):
     name: ClassVar[str]
     paper: ClassVar[str] = ""
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: ClassVar[Capabilities] = Capabilities()  # or a `configured_capabilities`
 
     def __init__(self, config: StrategyConfig | None = None, **options):
         if config is not None and options:
@@ -153,27 +179,12 @@ class Strategy(ABC):
 
     def task_parameters(self, state: GlobalState, task: str, stores: dict[int, ClientStore] | None = None) -> TaskVector:
         """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`."""
-        return TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
-
-    def compact_task_parameters(self, state: GlobalState, task: str) -> TaskVector:
-        """`task`'s parameters as the strategy's compact export gives them; strategies whose
-        `capabilities.exports` include "compact" implement it (its accuracy is reported beside
-        `task_parameters`' as `<metric>_compact`)."""
-        raise NotImplementedError(f"strategy {self.name!r} has no compact export")
+        return task_model(state.vectors, task)
 
     def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray | None:
         """Predictions for `task` on prepared `data` when the task's model is not the host model carrying
         `task_parameters` (e.g. TCT's linear model over eNTK features); None: the host model's."""
         return None
-
-    def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
-        """For linearized strategies: the point `task`'s model is linearized around; None = ordinary model."""
-        return None
-
-    @property
-    def linearization(self) -> str:
-        """The linearization mode of a linearized strategy (`hf_fedtask.model.linearize.MODES`)."""
-        return "network"
 
     # -- communication ------------------------------------------------------------------------------
     def message_kind(self, state: GlobalState) -> str:
@@ -189,12 +200,9 @@ class Strategy(ABC):
         return {SHARED: state.vectors[SHARED], **state.heads(tasks)}
 
     def update_templates(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
-        """What that client's reply must contain (keys, shapes, dtypes); by default its downlink."""
+        """What that client's reply must contain (keys, shapes, dtypes); by default its downlink. With
+        `capabilities.secure_aggregation` they are masked, so every client's must be the same."""
         return self.downlink(state, client_id, tasks)
-
-    def uses_secure_aggregation(self) -> bool:
-        """True when uploads must be masked on the clients and only their sum reach `server_aggregate`."""
-        return False
 
     # -- client -------------------------------------------------------------------------------------
     @abstractmethod
@@ -202,15 +210,102 @@ class Strategy(ABC):
 
     def client_query(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
         """Answer the QUERY `job.query` (statistics or gradients, no training)."""
-        raise ConfigError(f"strategy {self.name!r} sends no queries")
+        raise ProtocolError(f"strategy {self.name!r} sends no queries")
 
     def client_task_parameters(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> TaskVector:
         """For strategies with client evaluation: the client's own model of `task` (its store + downlink)."""
-        raise ConfigError(f"strategy {self.name!r} evaluates on the server")
+        raise ProtocolError(f"strategy {self.name!r} evaluates on the server")
 
     # -- server -------------------------------------------------------------------------------------
     @abstractmethod
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState: ...
+
+
+# -- hooks: what a capability needs beyond the functions above ----------------------------------------
+
+class Linearized:
+    """Hook of `capabilities.linearized`: each task's model is the first-order expansion of the network
+    around a point the state keeps beside it (`point_name`: `linearized_at/shared`, `linearized_at/head/<task>`),
+    evaluated (and exported) as such."""
+
+    @property
+    def linearization(self) -> str:
+        """What is linearized (`hf_fedtask.model.linearize.MODES`): the whole network by default."""
+        return "network"
+
+    def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
+        """The point `task`'s model is linearized around (`task_point` of the state); None in a phase
+        that has none yet (the task's model is then the ordinary one)."""
+        return task_point(state.vectors, task)
+
+
+class CompactExport(ABC):
+    """Hook of the "compact" export: all tasks stored as one unified vector, a mask and a rescaler per
+    task (`hf_fedtask.export.compact`)."""
+
+    @abstractmethod
+    def compact_form(self, state: GlobalState) -> dict:
+        """The compact form as `hf_fedtask.export.compact.save_compact` arguments."""
+
+    @abstractmethod
+    def compact_task_parameters(self, state: GlobalState, task: str) -> TaskVector:
+        """`task`'s parameters as the compact form gives them (its accuracy is reported beside
+        `task_parameters`' as `<metric>_compact`)."""
+
+
+class Packaging(ABC):
+    """Hook of the "tct" export: a task's model that is no adapter (TCT's feature network and linear model)."""
+
+    @abstractmethod
+    def package(self, state: GlobalState, task: str) -> tuple[TaskVector, dict] | None:
+        """(network, linear model) as `hf_fedtask.export.tct.save_tct` writes them; None while there is none."""
+
+
+class ClientRemoval(ABC):
+    """Hook of `capabilities.client_removal`: remove one client from a finished run on the server alone."""
+
+    @abstractmethod
+    def remove_client(self, state: GlobalState, env, client: int, options=None):
+        """The state without `client`'s contribution and how it was obtained (`.state` the new state)."""
+
+
+def hooks_declared(capabilities: Capabilities) -> dict[type, bool]:
+    """Each hook class and whether `capabilities` declare it: a strategy derives from a hook class exactly
+    when its capabilities declare it (the strategy contract test holds every registered strategy to this)."""
+    return {Linearized: capabilities.linearized,
+            CompactExport: "compact" in capabilities.exports,
+            Packaging: "tct" in capabilities.exports,
+            ClientRemoval: capabilities.client_removal}
+
+
+# -- steps several strategies share ----------------------------------------------------------------------
+
+def task_model(vectors: Mapping[str, TaskVector], task: str) -> TaskVector:
+    """`task`'s model in `vectors` (a state's, a downlink's): the shared modules and the task's head."""
+    return TaskVector({**vectors[SHARED], **vectors[head_name(task)]})
+
+
+def task_point(vectors: Mapping[str, TaskVector], task: str) -> TaskVector:
+    """The point `task`'s model is linearized around, as `vectors` (a state's, a downlink's) keep it
+    (`as_point`): `task_model` of the point's copies."""
+    return TaskVector({**vectors[point_name(SHARED)], **vectors[point_name(head_name(task))]})
+
+
+def as_point(vectors: Mapping[str, TaskVector]) -> dict[str, TaskVector]:
+    """The shared modules and heads among `vectors`, renamed as a linearization point (`point_name`)."""
+    return {point_name(k): v for k, v in vectors.items() if k == SHARED or k.startswith(HEAD)}
+
+
+def shared_mean(updates: Iterable[ClientUpdate]) -> TaskVector:
+    """The sample-weighted mean of the clients' changes of the shared modules."""
+    updates = list(updates)
+    return weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
+
+
+def fedavg_shared(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0) -> TaskVector:
+    """FedAvg's step of the shared modules: moved by `server_lr` times the sample-weighted mean of the
+    clients' changes (all clients: every client trains the shared modules)."""
+    return state.vectors[SHARED] + server_lr * shared_mean(updates)
 
 
 def updates_by_task(updates: Iterable[ClientUpdate]) -> dict[str, list[ClientUpdate]]:

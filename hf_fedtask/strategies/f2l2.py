@@ -27,34 +27,34 @@ from dataclasses import dataclass
 
 from hf_fedtask.client.objectives import OneHotMSE
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import GRADIENT, POINT, gradient_name, point_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
-from hf_fedtask.merge import weighted_average
+from hf_fedtask.errors import ConfigError, ProtocolError
 from hf_fedtask.strategies.base import (
     QUERY,
     SHARED,
     TRAIN,
     Capabilities,
     ClientJob,
+    ClientRemoval,
     GlobalState,
+    Linearized,
     Strategy,
     StrategyConfig,
+    as_point,
     average_heads,
+    fedavg_shared,
     head_name,
     register_strategy,
+    task_model,
+    task_point,
 )
 from hf_fedtask.strategies.fedavg import delta_update
 
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 GRADIENT_QUERY = "data_gradient"
-POINT = "linearized_at/"
 GRADIENT_FORMS = ("target", "retained")
-
-
-def gradient_name(client: int) -> str:
-    """Client `client`'s last-round gradient g_k (shared modules and head) in the final state."""
-    return f"gradient/client{client}"
 
 
 @dataclass
@@ -66,8 +66,8 @@ class F2L2Config(StrategyConfig):
                                     "cosine schedule; 0 = w₀ is the initialization)", minimum=0.0)
     pretrain_lr: float = option(1e-3, "learning rate of the server's pretraining", minimum=0.0)
     l2: float = option(0.0, "λ of the training objective's (λ/2)·‖w‖² (the official code trains with 0)", minimum=0.0)
-    removal_l2: float = option(10.0, "λ of the removal step (H_s + λI)⁻¹·g, chosen by measurement on digits (λ 0.3–30, "
-                               "two settings: smaller λ cost clean accuracy, larger left the backdoor); equal to l2 > 0 "
+    removal_l2: float = option(10.0, "λ of the removal step (H_s + λI)⁻¹·g: a smaller λ costs clean accuracy, a "
+                               "larger one lets the backdoor survive (the README's F²L² section); equal to l2 > 0 "
                                "it is the exact Newton step of the trained objective", minimum=0.0)
     start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
                         "initialization (the official code's)", choices=("pretrained", "random"))
@@ -76,6 +76,28 @@ class F2L2Config(StrategyConfig):
         if self.server_fraction <= 0:
             raise ConfigError("f2l2: server_fraction must be > 0 (the server pretrains and approximates the "
                               "Hessian on its own data)")
+
+
+@dataclass(frozen=True)
+class RemovalOptions:
+    """How `F2L2.remove_client` takes its Newton step, checked on construction (wherever the values come
+    from: the API, the CLI, a recipe): `l2` the λ of the step (None: the run's `removal_l2`), `gradient`
+    the form of g₋ (`GRADIENT_FORMS`), at most `iterations` conjugate-gradient iterations (at least one)
+    and the relative residual `tolerance` at which they stop."""
+
+    l2: float | None = None
+    gradient: str = "target"
+    iterations: int = 200
+    tolerance: float = 1e-6
+
+    def __post_init__(self):
+        if self.gradient not in GRADIENT_FORMS:
+            raise ConfigError(f"unknown gradient form {self.gradient!r}; choose one of {', '.join(GRADIENT_FORMS)}")
+        if self.l2 is not None and self.l2 < 0:
+            raise ConfigError(f"removal l2 must be >= 0, got {self.l2}")
+        if self.iterations < 1:
+            raise ConfigError(f"f2l2 removal: cg_iterations must be >= 1 (the conjugate-gradient iterations of the "
+                              f"Newton step; 0 would leave the model as it is), got {self.iterations}")
 
 
 @dataclass
@@ -93,12 +115,12 @@ class RemovalResult:
 
 
 @register_strategy
-class F2L2(Strategy):
+class F2L2(Strategy, Linearized, ClientRemoval):
     name = "f2l2"
-    paper = "Jin, Chen, Yang, Li and Li, Forgettable Federated Linear Learning with Certified Data Removal, 2023"
+    paper = "Jin, Chen, Zhang and Li, Forgettable Federated Linear Learning with Certified Data Removal, 2023 (arXiv:2306.02216)"
     config_class = F2L2Config
-    capabilities = Capabilities(linearized=True, exports=("adapters", "linearized"), personalization=False,
-                                phases=(PRETRAIN, LINEAR, GRADIENTS, DONE))
+    capabilities = Capabilities(linearized=True, client_removal=True, exports=("adapters", "linearized"),
+                                personalization=False)
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
@@ -134,23 +156,26 @@ class F2L2(Strategy):
         phase = scalars.get("phase", PRETRAIN)
         if phase == PRETRAIN:
             return initial
-        vectors = {**initial.vectors, **_point_of(initial)}
+        vectors = {**initial.vectors, **as_point(initial.vectors)}
         if phase == DONE:
             model = self._model(initial)
             vectors.update({gradient_name(int(c)): model for c in scalars.get("gradient_samples", {})})
         return GlobalState(initial.round, vectors, dict(scalars))
 
-    def _task(self, state: GlobalState) -> str:
-        return sorted({t for tasks in state.allocation.values() for t in tasks})[0]
+    @staticmethod
+    def _task(state: GlobalState) -> str:
+        """The run's one task."""
+        return state.tasks[0]
 
-    def _model(self, state: GlobalState, prefix: str = "") -> TaskVector:
+    def _model(self, state: GlobalState) -> TaskVector:
         """w: the shared modules and the task's head as one vector (saved names)."""
-        return TaskVector({**state.vectors[prefix + SHARED], **state.vectors[prefix + head_name(self._task(state))]})
+        return task_model(state.vectors, self._task(state))
 
     def linearization_point(self, state: GlobalState, task: str) -> TaskVector | None:
+        """w₀, once the server has pretrained it (round 1); None before."""
         if self.phase(state) == PRETRAIN:
             return None
-        return TaskVector({**state.vectors[POINT + SHARED], **state.vectors[POINT + head_name(task)]})
+        return super().linearization_point(state, task)
 
     # -- the server's own work -----------------------------------------------------------------------
     def server_step(self, state: GlobalState, env) -> GlobalState:
@@ -163,14 +188,15 @@ class F2L2(Strategy):
         w0 = self._model(state)
         c = self.config
         if c.pretrain_epochs > 0:
-            args = dataclasses.replace(env.trainer.args, epochs=c.pretrain_epochs, max_steps=-1, learning_rate=c.pretrain_lr,
-                                       optim="adamw_torch", lr_scheduler="cosine", warmup_steps=0, weight_decay=0.0)
+            args = dataclasses.replace(env.trainer.args, local_epochs=c.pretrain_epochs, local_steps=-1,
+                                       learning_rate=c.pretrain_lr, optimizer="adamw_torch", lr_scheduler="cosine",
+                                       warmup_steps=0, weight_decay=0.0)
             w0, _ = LocalTrainer(env.host, args).train(w0, env.server_data(task), seed=env.config.seed)
-        shared, head = state.vectors[SHARED], head_name(task)
-        point = {POINT + SHARED: w0.filter(lambda k: k in shared), POINT + head: w0.filter(lambda k: k not in shared)}
-        vectors = dict(point)
+        shared = state.vectors[SHARED]
+        pretrained = {SHARED: w0.filter(lambda k: k in shared), head_name(task): w0.filter(lambda k: k not in shared)}
+        vectors = as_point(pretrained)
         if c.start == "pretrained":  # w⁰ = w₀; otherwise training starts from the initialization
-            vectors.update({SHARED: point[POINT + SHARED], head: point[POINT + head]})
+            vectors.update(pretrained)
         return GlobalState(state.round, {**state.vectors, **vectors}, {**state.scalars, "phase": LINEAR})
 
     # -- communication -----------------------------------------------------------------------------
@@ -187,69 +213,63 @@ class F2L2(Strategy):
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
         """w and the linearization point w₀ (clients cannot rebuild w₀: D_s is the server's)."""
         model = super().downlink(state, client_id, tasks)
-        return {**model, **{POINT + k: state.vectors[POINT + k] for k in model}}
+        return {**model, **{point_name(k): state.vectors[point_name(k)] for k in model}}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         if self.phase(state) == GRADIENTS:
-            return {"gradient": self._model(state)}
+            return {GRADIENT: self._model(state)}
         return super().downlink(state, client_id, tasks)
 
     # -- client ------------------------------------------------------------------------------------
     def client_update(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
         def options(task: str) -> dict:
-            point = TaskVector({**downlink[POINT + SHARED], **downlink[POINT + head_name(task)]})
-            return {"linearize_at": point, "objectives": [OneHotMSE(l2=self.config.l2)]}
+            return {"linearize_at": task_point(downlink, task), "objectives": [OneHotMSE(l2=self.config.l2)]}
 
         model = {k: v for k, v in downlink.items() if not k.startswith(POINT)}
         return delta_update(model, job, trainer, options=options)
 
     def client_query(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
         if job.query != GRADIENT_QUERY:
-            raise ConfigError(f"f2l2: unknown query {job.query!r}")
+            raise ProtocolError(f"f2l2: unknown query {job.query!r}")
         from hf_fedtask.model.newton import data_gradient
 
         (task,) = job.tasks
-        w = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
-        point = TaskVector({**downlink[POINT + SHARED], **downlink[POINT + head_name(task)]})
-        gradient, loss = data_gradient(trainer.host, w, point, job.data[task])
-        return ClientUpdate(job.client_id, job.round, {"gradient": gradient}, job.num_samples(), {"data_loss": loss})
+        gradient, loss = data_gradient(trainer.host, task_model(downlink, task), task_point(downlink, task),
+                                       job.data[task])
+        return ClientUpdate(job.client_id, job.round, {GRADIENT: gradient}, job.num_samples(), {"data_loss": loss})
 
     # -- server ------------------------------------------------------------------------------------
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         if self.phase(state) == GRADIENTS:
-            vectors = {gradient_name(u.client_id): u.vectors["gradient"] for u in updates}
+            vectors = {gradient_name(u.client_id): u.vectors[GRADIENT] for u in updates}
             samples = {str(u.client_id): u.total_samples for u in updates}
             return state.next(vectors, phase=DONE, gradient_samples=samples)
-        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
-        vectors = {SHARED: state.vectors[SHARED] + mean, **average_heads(state, updates)}
+        vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
         return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)
 
     # -- removal -----------------------------------------------------------------------------------
-    def remove_client(self, state: GlobalState, env, client: int, *, l2: float | None = None, gradient: str = "target",
-                      iterations: int = 200, tolerance: float = 1e-6, hessian_data=None) -> RemovalResult:
+    def remove_client(self, state: GlobalState, env, client: int, options: RemovalOptions | None = None, *,
+                      hessian_data=None) -> RemovalResult:
         """w₋ = w* − (H_s + λI)⁻¹·g₋ from the final state and the server's data alone (no client is
-        contacted). `l2`: the λ of the step (default `removal_l2`); `gradient`: how g₋ is formed (the
-        target form by default: the retained form left the backdoor in place in every measurement,
-        since federated training never reaches the stationary point it assumes). `hessian_data`: prepared
-        data to build H from instead of D_s, for measurement only (the retained clients' data give the
-        step the approximation H_s ≈ H₋ stands in for)."""
+        contacted), as `options` say (`RemovalOptions`: by default λ = `removal_l2` and the target form of
+        g₋, since the retained form left the backdoor in place in every measurement: federated training
+        never reaches the stationary point it assumes). `hessian_data`: prepared data to build H from
+        instead of D_s, for measurement only (the retained clients' data give the step the approximation
+        H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import GaussNewton, conjugate_gradient
 
+        options = options or RemovalOptions()
         if self.phase(state) != DONE:
             raise ConfigError("f2l2 removal needs a finished F²L² run (its last round collects the clients' gradients)")
-        if gradient not in GRADIENT_FORMS:
-            raise ConfigError(f"unknown gradient form {gradient!r}; choose one of {', '.join(GRADIENT_FORMS)}")
         samples = {int(c): int(n) for c, n in state.scalars["gradient_samples"].items()}
         if client not in samples:
             raise ConfigError(f"unknown client {client}; the run's clients with gradients are "
                               f"{', '.join(map(str, sorted(samples)))}")
         if len(samples) < 2:
             raise ConfigError("f2l2 removal needs at least one client left after the removal")
-        lam_train = self.config.l2
-        lam = self.config.removal_l2 if l2 is None else l2
-        if lam < 0:
-            raise ConfigError(f"removal l2 must be >= 0, got {lam}")
+        lam_train, gradient = self.config.l2, options.gradient
+        lam = self.config.removal_l2 if options.l2 is None else options.l2
         w = self._model(state)
         n_m, n_rest = samples[client], sum(samples.values()) - samples[client]
         if gradient == "target":
@@ -257,18 +277,15 @@ class F2L2(Strategy):
         else:
             g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
                     w.zeros_like()) + w * lam_train
-        point, task = self._model(state, POINT), self._task(state)
+        task = self._task(state)
         data = env.server_data(task) if hessian_data is None else hessian_data
-        with GaussNewton(env.host, point, data, env.config.eval_batch_size) as hessian:
-            step, info = conjugate_gradient(hessian, g, damping=lam, iterations=iterations, tolerance=tolerance)
+        with GaussNewton(env.host, task_point(state.vectors, task), data, env.config.eval_batch_size) as hessian:
+            step, info = conjugate_gradient(hessian, g, damping=lam, iterations=options.iterations,
+                                            tolerance=options.tolerance)
         removed = w - step
         shared = state.vectors[SHARED]
         vectors = {SHARED: removed.filter(lambda k: k in shared),
                    head_name(task): removed.filter(lambda k: k not in shared)}
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(), g.norm())
-
-
-def _point_of(state: GlobalState) -> dict[str, TaskVector]:
-    return {POINT + k: v for k, v in state.vectors.items() if k == SHARED or k.startswith(head_name(""))}
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from hf_fedtask.client.objectives import ProximalTerm
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import tracked_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     SHARED,
     Capabilities,
@@ -31,6 +31,7 @@ from hf_fedtask.strategies.base import (
     Strategy,
     StrategyConfig,
     average_heads,
+    fedavg_shared,
     head_name,
     register_strategy,
     updates_by_task,
@@ -38,13 +39,6 @@ from hf_fedtask.strategies.base import (
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
-
-TASK_VECTOR = "task_vector/"
-
-
-def task_vector_name(task: str) -> str:
-    """Name of the vector holding `task`'s accumulated contribution in a FedAvg-family state."""
-    return f"{TASK_VECTOR}{task}"
 
 
 @dataclass
@@ -70,7 +64,7 @@ class FedAvg(Strategy):
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
         if self.config.track_task_vectors:
-            state.vectors.update({task_vector_name(t.name): state.vectors[SHARED].zeros_like() for t in tasks})
+            state.vectors.update({tracked_task_vector_name(t.name): state.vectors[SHARED].zeros_like() for t in tasks})
         return state
 
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
@@ -79,8 +73,7 @@ class FedAvg(Strategy):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         c = self.config
         updates = negate_forgotten(updates, c.forget_tasks or (), c.forget_clients or ())
-        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
-        vectors = {SHARED: state.vectors[SHARED] + c.server_lr * mean, **average_heads(state, updates, c.server_lr)}
+        vectors = {SHARED: fedavg_shared(state, updates, c.server_lr), **average_heads(state, updates, c.server_lr)}
         if c.track_task_vectors:
             vectors.update(accumulate_task_vectors(state, updates, c.server_lr))
         return state.next(vectors)
@@ -111,7 +104,7 @@ def accumulate_task_vectors(state: GlobalState, updates: list[ClientUpdate], ser
     total = sum(u.total_samples for u in updates)
     out = {}
     for task, holders in updates_by_task(updates).items():
-        key = task_vector_name(task)
+        key = tracked_task_vector_name(task)
         step = state.vectors[key]
         for u in holders:
             step = step + u.vectors[SHARED] * (server_lr * u.num_samples[task] / total)

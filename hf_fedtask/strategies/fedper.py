@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import PERSONAL
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
@@ -29,13 +30,13 @@ from hf_fedtask.strategies.base import (
     StrategyConfig,
     head_name,
     register_strategy,
+    shared_mean,
 )
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
-PERSONAL = "personal"
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -98,9 +99,9 @@ class FedPer(Strategy):
         return TaskVector({**{k: merged[k] for k in job.origin}, **head})
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
-        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
-        global_part, personal_init = self._split(state, state.vectors[SHARED])
-        return state.next({SHARED: TaskVector({**(global_part + self.config.server_lr * mean), **personal_init})})
+        global_part, personal_init = self._split(state, state.vectors[SHARED])  # FedAvg's step of the global part
+        moved = global_part + self.config.server_lr * shared_mean(updates)
+        return state.next({SHARED: TaskVector({**moved, **personal_init})})
 
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         """The task's exported model: the global modules with the mean of its holders' personal

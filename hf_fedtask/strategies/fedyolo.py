@@ -1,5 +1,5 @@
-"""FedYolo (Zhang et al., 2023; algorithms.md §4, the paper's Alg. 1): one frozen backbone, one
-PEFT module and one head per task.
+"""FedYolo (Zhang et al., 2023, arXiv:2307.04905, Alg. 1): one frozen backbone, one PEFT module and
+one head per task.
 
 Every task k owns W^k = (module, head), held on the host as its own named PEFT adapter
 (`adapter_name(k)`). Each round the engine samples M clients; a client receives the modules and
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import COUNTS, HEAD, MODULE, module_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
@@ -48,6 +49,7 @@ from hf_fedtask.strategies.base import (
     GlobalState,
     Strategy,
     StrategyConfig,
+    configured_capabilities,
     head_name,
     register_strategy,
     updates_by_task,
@@ -60,14 +62,7 @@ if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
 SHARE_MODES = ("none", "half", "all")
-MODULE = "module/"
-COUNTS = "counts"
 _BLOCK = re.compile(r"\.(?:layer|layers|h|blocks)\.(\d+)\.")
-
-
-def module_name(task: str) -> str:
-    """Name of the vector holding `task`'s own PEFT modules in FedYolo states and updates."""
-    return f"{MODULE}{task}"
 
 
 def adapter_name(task: str) -> str:
@@ -125,10 +120,11 @@ class FedYolo(Strategy):
     paper = ("Zhang et al., FedYolo: Augmenting Federated Learning with Pretrained Transformers, "
              "arXiv 2307.04905, 2023")
     config_class = FedYoloConfig
-    capabilities = Capabilities(secure_aggregation=True, exports=("adapters", "multi_adapter"))
 
-    def uses_secure_aggregation(self) -> bool:
-        return self.config.secure_aggregation
+    @configured_capabilities
+    def capabilities(config: FedYoloConfig) -> Capabilities:
+        """Secure aggregation is the privacy variant's (`secure_aggregation`)."""
+        return Capabilities(secure_aggregation=config.secure_aggregation, exports=("adapters", "multi_adapter"))
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
@@ -237,8 +233,7 @@ def _shared(state: GlobalState) -> dict[str, TaskVector]:
 
 def _tasks(state: GlobalState) -> list[str]:
     """The run's tasks (those with a head), in the order of the privacy variant's slots."""
-    prefix = head_name("")
-    return sorted(name.removeprefix(prefix) for name in state.vectors if name.startswith(prefix))
+    return sorted(name.removeprefix(HEAD) for name in state.vectors if name.startswith(HEAD))
 
 
 def _counts(tasks: list[str], weights: dict[str, float], shared: bool, shared_weight: float) -> TaskVector:

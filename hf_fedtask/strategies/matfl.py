@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import model_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.merge import weighted_average
@@ -29,10 +30,6 @@ from hf_fedtask.strategies.base import (
     register_strategy,
 )
 from hf_fedtask.strategies.fedavg import delta_update
-
-
-def model_name(client_id: int) -> str:
-    return f"model/{client_id}"
 
 
 def cosine_similarity_matrix(vectors: list[TaskVector]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""MaTU (Many-Task FL via Unified Task Vectors), as specified in algorithms.md §3.
+"""MaTU: Tsouvalas, Ozcelebi and Meratnia, "Many-Task Federated Fine-Tuning via Unified Task Vectors",
+2025 (arXiv:2502.06376), Eqs. 3-7; where the paper is silent (κ, what the vectors are) the options say.
 
 Client n holding tasks T_n receives one unified vector τ_n, a binary mask m_n^t and a rescaler λ_n^t
 per task. For each task it trains from θ_p + λ_n^t·(m_n^t ⊙ τ_n), then unifies what it measured for its
@@ -26,9 +27,17 @@ signs), S > 0.5 agreeing and S < 0.5 opposed ones. Two readings of what the vect
                 θ_p + λ_n^t·(m_n^t ⊙ τ_n)), and τ^t ← τ^t + combine(τ̂^t, τ̃^t): Eqs. 3-7 act on
                 increments, so tasks stay distinct; `sum` adds the neighbours' increments each round,
                 stable because increments are small; `mean` and `s_normalized` mix t's own step with
-                its neighbours' (shrinking it). The increment is measured from the decoded start but
-                added to τ^t, so entries the unification drops for t keep receiving t's pull: opposed
-                tasks can end up further apart than their optima.
+                its neighbours' (shrinking it).
+
+Where a client starts (`start`): `unified` (the paper's downlink) decodes each task's start
+λ_n^t·(m_n^t ⊙ τ_n) from the unification of the client's tasks, so under delta the step is measured at
+one point and added to another, τ^t: entries the unification drops for t keep receiving t's pull, and
+opposed tasks can end up further apart than their optima. `exact` sends every held task's own τ^t
+(one vector per task instead of one for all, plus no masks), so the step lands where it was measured.
+Adding the step where the client started instead (the server can re-decode what it sent, no extra
+bytes) is worse: local training moves a start only part of the way, so what the unification drops
+would be lost again every round (`benchmarks/matu_start.py` measures all three). Each slot of a wire
+form carries its task's name (`tasks`), so slots are matched by name, never by position.
 
 Neighbours (`neighbours`): `round` compares (v) and adds (a) only this round's τ̂ of the tasks with
 participants; `all` (default) compares every task's server vector, so tasks carried forward from
@@ -51,15 +60,17 @@ averaged over the task's holders as in FedAvg (the paper's ViT heads are not des
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import MATU_EXPORT, MATU_WIRE, matu_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import ConfigError, TaskVectorError
 from hf_fedtask.merge import agreement_mask, sign_similarity, unify
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.merge.unify import RESCALERS
@@ -67,6 +78,7 @@ from hf_fedtask.strategies.base import (
     SHARED,
     Capabilities,
     ClientJob,
+    CompactExport,
     GlobalState,
     Strategy,
     StrategyConfig,
@@ -79,67 +91,97 @@ from hf_fedtask.strategies.base import (
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
-WIRE = "matu"
-EXPORTED = "export"
 COMBINE_RULES = ("sum", "mean", "s_normalized")
 READINGS = ("cumulative", "delta")  # what clients upload and Eq. 7 yields: see the module docstring
 DEFAULT_READING = "delta"
 NEIGHBOURHOODS = ("round", "all")
+STARTS = ("unified", "exact")  # the downlink: see `encode_wire`
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def task_vector_name(task: str) -> str:
-    """Name of the server's cumulative task vector τ^t in the state."""
-    return f"task/{task}"
+
+def encode_tasks(tasks: list[str]) -> torch.Tensor:
+    """The wire's task order as a tensor: the JSON list of names, UTF-8, one uint8 per byte."""
+    return torch.tensor(list(json.dumps(list(tasks)).encode()), dtype=torch.uint8)
+
+
+def wire_tasks(wire: TaskVector) -> list[str]:
+    """The tasks of a wire form, in slot order (its `tasks` entry)."""
+    return json.loads(bytes(wire["tasks"].tolist()).decode())
 
 
 def encode_wire(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "float32",
-                heads: dict[str, TaskVector] | None = None) -> TaskVector:
-    """MaTU's wire form of task vectors (task -> τ^t, PEFT keys, in the order given), unified:
+                heads: dict[str, TaskVector] | None = None, exact: bool = False) -> TaskVector:
+    """MaTU's wire form of task vectors (task -> τ^t, PEFT keys), its slots in the order given:
 
+        tasks      the task names in slot order (`encode_tasks`), so slots are matched by name
         unified    the unified vector τ, flat (float32, or bfloat16 on request)
         masks      (T, ⌈d/8⌉) uint8: task t's mask m_t, bit-packed over the same flat layout
         rescalers  (T,) float32: λ_t
-        heads      the tasks' heads, flattened and concatenated in task order (when given)
+        heads      the tasks' heads, flattened and concatenated in slot order (when given)
 
-    Four tensors whatever T and the number of modules, so the header stays a few hundred bytes."""
+    A handful of tensors whatever T and the number of modules, so the header stays a few hundred
+    bytes. `exact` sends every τ^t itself instead of the unification: `vectors` (T, d) replaces
+    unified, masks and rescalers (T times the unified vector's bytes)."""
     tasks = list(vectors)
-    u = unify([vectors[t] for t in tasks], rescaler=rescaler)
-    wire = {
-        "unified": u.vector.flatten().to(WIRE_DTYPES[dtype]),
-        "masks": torch.stack(u.masks),
-        "rescalers": torch.tensor(u.rescalers, dtype=torch.float32),
-    }
+    if exact:
+        wire = {"tasks": encode_tasks(tasks),
+                "vectors": torch.stack([vectors[t].flatten() for t in tasks]).to(WIRE_DTYPES[dtype])}
+    else:
+        u = unify([vectors[t] for t in tasks], rescaler=rescaler)
+        wire = {
+            "tasks": encode_tasks(tasks),
+            "unified": u.vector.flatten().to(WIRE_DTYPES[dtype]),
+            "masks": torch.stack(u.masks),
+            "rescalers": torch.tensor(u.rescalers, dtype=torch.float32),
+        }
     if heads is not None:
         wire["heads"] = torch.cat([heads[t].flatten().float() for t in tasks])
     return TaskVector(wire)
 
 
 def wire_template(numel: int, tasks: list[str], dtype: str = "float32",
-                  heads: dict[str, TaskVector] | None = None) -> TaskVector:
-    """Keys, shapes and dtypes of `encode_wire`'s output (values are zeros)."""
-    wire = {
-        "unified": torch.zeros(numel, dtype=WIRE_DTYPES[dtype]),
-        "masks": torch.zeros(len(tasks), packed_size(numel), dtype=torch.uint8),
-        "rescalers": torch.zeros(len(tasks)),
-    }
+                  heads: dict[str, TaskVector] | None = None, exact: bool = False) -> TaskVector:
+    """Keys, shapes and dtypes of `encode_wire`'s output (values are zeros but the task names)."""
+    if exact:
+        wire = {"tasks": encode_tasks(tasks), "vectors": torch.zeros(len(tasks), numel, dtype=WIRE_DTYPES[dtype])}
+    else:
+        wire = {
+            "tasks": encode_tasks(tasks),
+            "unified": torch.zeros(numel, dtype=WIRE_DTYPES[dtype]),
+            "masks": torch.zeros(len(tasks), packed_size(numel), dtype=torch.uint8),
+            "rescalers": torch.zeros(len(tasks)),
+        }
     if heads is not None:
         wire["heads"] = torch.zeros(sum(heads[t].flatten().numel() for t in tasks))
     return TaskVector(wire)
 
 
-def decode_task(wire: TaskVector, index: int, like: TaskVector) -> TaskVector:
-    """λ_t·(m_t ⊙ τ) of the `index`-th task, in the keys, shapes and dtypes of `like`."""
+def slot(wire: TaskVector, task: str) -> int:
+    """The slot of `task` in `wire`; a wire without it is refused naming both."""
+    tasks = wire_tasks(wire)
+    if task not in tasks:
+        raise TaskVectorError(f"MaTU wire form carries tasks {tasks}, not {task!r}")
+    return tasks.index(task)
+
+
+def decode_task(wire: TaskVector, task: str, like: TaskVector) -> TaskVector:
+    """λ_t·(m_t ⊙ τ) of `task` (its own τ^t in an exact wire form), in the keys, shapes and dtypes of `like`."""
+    index = slot(wire, task)
+    if "vectors" in wire:
+        return TaskVector.unflatten(wire["vectors"][index].float(), like)
     flat = wire["unified"].float()
     masked = flat * unpack_bits(wire["masks"][index], flat.numel())
     return TaskVector.unflatten(float(wire["rescalers"][index]) * masked, like)
 
 
 def decode_heads(wire: TaskVector, templates: dict[str, TaskVector]) -> dict[str, TaskVector]:
-    """The heads in `wire`, split by `templates` (task -> a head of the right shapes, in wire order)."""
-    sizes = [tv.flatten().numel() for tv in templates.values()]
-    parts = torch.split(wire["heads"], sizes)
-    return {t: TaskVector.unflatten(part, templates[t]) for t, part in zip(templates, parts)}
+    """The heads in `wire`, split by `templates` (task -> a head of the right shapes), matched by name."""
+    tasks = wire_tasks(wire)
+    if sorted(templates) != sorted(tasks):
+        raise TaskVectorError(f"MaTU wire form carries the heads of {tasks}, expected {sorted(templates)}")
+    parts = torch.split(wire["heads"], [templates[t].flatten().numel() for t in tasks])
+    return {t: TaskVector.unflatten(part, templates[t]) for t, part in zip(tasks, parts)}
 
 
 @dataclass
@@ -162,14 +204,18 @@ class MaTUConfig(StrategyConfig):
                              choices=NEIGHBOURHOODS)
     rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)", choices=tuple(RESCALERS))
     include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
+    start: str = option("unified", "what a client trains from: unified (the paper: λ_t·(m_t ⊙ τ) decoded from one "
+                                   "unified vector, 1-bit masks and rescalers) | exact (each task's own τ^t, the point "
+                                   "its step is added to; the downlink carries one vector per task held)",
+                        choices=STARTS)
     wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
                              choices=tuple(WIRE_DTYPES))
 
 
 @register_strategy
-class MaTU(Strategy):
+class MaTU(Strategy, CompactExport):
     name = "matu"
-    paper = "Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025"
+    paper = "Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025 (arXiv:2502.06376)"
     config_class = MaTUConfig
     capabilities = Capabilities(exports=("adapters", "compact"))
 
@@ -183,27 +229,25 @@ class MaTU(Strategy):
         state = super().init_state(host, tasks, seed, allocation)  # SHARED holds θ_p and never moves
         zero = state.vectors[SHARED].zeros_like()
         for task in tasks:
-            state.vectors[task_vector_name(task.name)] = zero
+            state.vectors[matu_task_vector_name(task.name)] = zero
         state.vectors.update(self._exported(state))
         return state
 
     def _task_vectors(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
-        return {t: state.vectors[task_vector_name(t)] for t in tasks}
+        return {t: state.vectors[matu_task_vector_name(t)] for t in tasks}
 
-    def _all_tasks(self, state: GlobalState) -> list[str]:
-        return sorted({t for tasks in state.allocation.values() for t in tasks})
 
     def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
         """All tasks unified (the compact export), kept in the state as `export`."""
-        return {EXPORTED: encode_wire(self._task_vectors(state, self._all_tasks(state)), self.config.rescaler)}
+        return {MATU_EXPORT: encode_wire(self._task_vectors(state, state.tasks), self.config.rescaler)}
 
     def compact_form(self, state: GlobalState) -> dict:
         """The exported form as `hf_fedtask.compact.save_compact` arguments (bool masks per key)."""
         origin = state.vectors[SHARED]
-        wire = state.vectors[EXPORTED]
+        wire = state.vectors[MATU_EXPORT]
         shapes = {k: tuple(v.shape) for k, v in origin.items()}
         numel = wire["unified"].numel()
-        tasks = self._all_tasks(state)
+        tasks = wire_tasks(wire)
         return {
             "init": origin,
             "unified": TaskVector.unflatten(wire["unified"], origin),
@@ -215,14 +259,14 @@ class MaTU(Strategy):
     def task_parameters(self, state, task, stores=None) -> TaskVector:
         """θ_p + τ^t, the server's own vector of the task, plus its head: what is evaluated and exported
         as the task's adapter (the compact form loses accuracy to unification)."""
-        shared = state.vectors[SHARED] + state.vectors[task_vector_name(task)]
+        shared = state.vectors[SHARED] + state.vectors[matu_task_vector_name(task)]
         return TaskVector({**shared, **state.vectors[head_name(task)]})
 
     def compact_task_parameters(self, state: GlobalState, task: str) -> TaskVector:
         """θ_p + λ_t·(m_t ⊙ τ) from the all-task unification, plus the task's head: the task as the
         compact export (`compact_form`) gives it, so its accuracy can be reported beside `task_parameters`'."""
         origin = state.vectors[SHARED]
-        shared = origin + decode_task(state.vectors[EXPORTED], self._all_tasks(state).index(task), origin)
+        shared = origin + decode_task(state.vectors[MATU_EXPORT], task, origin)
         return TaskVector({**shared, **state.vectors[head_name(task)]})
 
     # -- communication -----------------------------------------------------------------------------
@@ -230,20 +274,20 @@ class MaTU(Strategy):
         return {t: state.vectors[head_name(t)] for t in tasks}
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        return {WIRE: encode_wire(self._task_vectors(state, tasks), self.config.rescaler, self.config.wire_dtype,
-                                  heads=self._heads(state, tasks))}
+        return {MATU_WIRE: encode_wire(self._task_vectors(state, tasks), self.config.rescaler, self.config.wire_dtype,
+                                  heads=self._heads(state, tasks), exact=self.config.start == "exact")}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         numel = sum(t.numel() for t in state.vectors[SHARED].values())
-        return {WIRE: wire_template(numel, tasks, self.config.wire_dtype, heads=self._heads(state, tasks))}
+        return {MATU_WIRE: wire_template(numel, tasks, self.config.wire_dtype, heads=self._heads(state, tasks))}
 
     # -- client ------------------------------------------------------------------------------------
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
-        origin, wire = job.origin, downlink[WIRE]
+        origin, wire = job.origin, downlink[MATU_WIRE]
         heads = decode_heads(wire, {t: job.initial_heads[t] for t in job.tasks})
         trained_vectors, head_deltas, metrics = {}, {}, {}
-        for i, task in enumerate(job.tasks):
-            start_shared = origin + decode_task(wire, i, origin)
+        for task in job.tasks:
+            start_shared = origin + decode_task(wire, task, origin)
             trained, m = trainer.train(TaskVector({**start_shared, **heads[task]}), job.data[task],
                                        seed=job.seed_for(task))
             measured_from = start_shared if self.config.vectors == "delta" else origin
@@ -251,7 +295,7 @@ class MaTU(Strategy):
             head_deltas[task] = trained.filter(lambda k: k not in origin) - heads[task]
             metrics[f"{task}/train_loss"] = m["train_loss"]
         update = encode_wire(trained_vectors, self.config.rescaler, self.config.wire_dtype, heads=head_deltas)
-        return ClientUpdate(job.client_id, job.round, {WIRE: update}, job.num_samples(), metrics)
+        return ClientUpdate(job.client_id, job.round, {MATU_WIRE: update}, job.num_samples(), metrics)
 
     # -- server ------------------------------------------------------------------------------------
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
@@ -259,12 +303,12 @@ class MaTU(Strategy):
         same_task, soft_masks = {}, {}
         # the heads' changes, unpacked (into copies: the updates are not ours to change), are averaged as in FedAvg
         updates = [dataclasses.replace(u, vectors={**u.vectors, **{
-            head_name(t): h for t, h in decode_heads(u.vectors[WIRE], self._heads(state, sorted(u.num_samples))).items()}})
+            head_name(t): h for t, h in decode_heads(u.vectors[MATU_WIRE], self._heads(state, sorted(u.num_samples))).items()}})
             for u in updates]
         for task, holders in updates_by_task(updates).items():
             total = sum(u.num_samples[task] for u in holders)
             # x_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n), weighted by γ_n^t (Eq. 4); the sign vote of Eq. 3 ignores λ > 0
-            reconstructed = [decode_task(u.vectors[WIRE], sorted(u.num_samples).index(task), origin) for u in holders]
+            reconstructed = [decode_task(u.vectors[MATU_WIRE], task, origin) for u in holders]
             soft_masks[task] = agreement_mask(reconstructed, self.config.rho)
             weighted = reconstructed[0].zeros_like()
             for u, r in zip(holders, reconstructed):
@@ -272,8 +316,8 @@ class MaTU(Strategy):
             same_task[task] = soft_masks[task] * weighted
         combined = self._cross_task(state, same_task, soft_masks)
         if self.config.vectors == "delta":
-            combined = {t: state.vectors[task_vector_name(t)] + v for t, v in combined.items()}
-        vectors = {task_vector_name(t): v for t, v in combined.items()}
+            combined = {t: state.vectors[matu_task_vector_name(t)] + v for t, v in combined.items()}
+        vectors = {matu_task_vector_name(t): v for t, v in combined.items()}
         new = state.next({**vectors, **average_heads(state, updates)})
         new.vectors.update(self._exported(new))
         return new
@@ -291,7 +335,7 @@ class MaTU(Strategy):
         if self.config.neighbours == "round":
             tasks = list(same_task)
             return tasks, [same_task[t] for t in tasks], [same_task[t] for t in tasks]
-        tasks = self._all_tasks(state)
+        tasks = state.tasks
         stored = self._task_vectors(state, tasks)
         if self.config.vectors == "delta":  # τ̂ is an increment: carried-forward tasks have none to add
             compared = [stored[t] + same_task[t] if t in same_task else stored[t] for t in tasks]

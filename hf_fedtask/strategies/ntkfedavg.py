@@ -1,6 +1,6 @@
-"""NTKFedAvg and NTKFedProx (Muhamed, Mankikar and Smith; algorithms.md §5): FedAvg in which every
-client trains the first-order Taylor expansion of the model (`hf_fedtask.model.linearize`) instead of the
-model itself.
+"""NTKFedAvg and NTKFedProx (Muhamed, Mankikar and Smith, 2024, openreview.net/forum?id=K8jxsDF9xO,
+Alg. 1 and App. A.4): FedAvg in which every client trains the first-order Taylor expansion of the model
+(`hf_fedtask.model.linearize`) instead of the model itself.
 
 Client k starts at the server state θ_s and trains f_lin(x; θ) = f(x; θ_lin) + J(x)·(θ − θ_lin),
 with θ_lin = θ_s (`linearize_at="server"`, re-linearized every round; the default) or the
@@ -18,16 +18,16 @@ from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.model.linearize import MODES
 from hf_fedtask.strategies.base import (
-    SHARED,
     Capabilities,
     ClientJob,
     GlobalState,
-    head_name,
+    Linearized,
+    as_point,
     register_strategy,
+    task_model,
 )
 from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
 
-POINT = "linearized_at/"
 LINEARIZE_AT = ("server", "pretrained")
 
 
@@ -40,7 +40,7 @@ class NTKFedAvgConfig(FedAvgConfig):
 
 
 @register_strategy
-class NTKFedAvg(FedAvg):
+class NTKFedAvg(FedAvg, Linearized):
     name = "ntkfedavg"
     paper = ("Muhamed, Mankikar and Smith, Fed Up with Complexity: Simplifying Many-Task Federated Learning "
              "with NTKFedAvg")
@@ -54,12 +54,12 @@ class NTKFedAvg(FedAvg):
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)
-        state.vectors.update(_point_of(state))  # round 0: linearized at the initial θ_0
+        state.vectors.update(as_point(state.vectors))  # round 0: linearized at the initial θ_0
         return state
 
     def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
         if self.config.linearize_at == "server":
-            point = TaskVector({**downlink[SHARED], **downlink[head_name(task)]})
+            point = task_model(downlink, task)
         else:
             point = TaskVector({**job.origin, **job.initial_heads[task]})
         return {**super()._train_options(downlink, job, task), "linearize_at": point,
@@ -68,16 +68,8 @@ class NTKFedAvg(FedAvg):
     def server_aggregate(self, state: GlobalState, updates) -> GlobalState:
         new = super().server_aggregate(state, updates)
         if self.config.linearize_at == "server":  # θ_{s,i+1} is evaluated in the expansion around θ_{s,i}
-            new.vectors.update(_point_of(state))
+            new.vectors.update(as_point(state.vectors))
         return new
-
-    def linearization_point(self, state: GlobalState, task: str) -> TaskVector:
-        return TaskVector({**state.vectors[POINT + SHARED], **state.vectors[POINT + head_name(task)]})
-
-
-def _point_of(state: GlobalState) -> dict[str, TaskVector]:
-    """The state's shared modules and heads, renamed as a linearization point."""
-    return {POINT + k: v for k, v in state.vectors.items() if k == SHARED or k.startswith(head_name(""))}
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from hf_fedtask.client.objectives import LinearCorrection
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import control_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
@@ -34,6 +35,7 @@ from hf_fedtask.strategies.base import (
     Strategy,
     StrategyConfig,
     average_heads,
+    fedavg_shared,
     head_name,
     register_strategy,
     updates_by_task,
@@ -42,13 +44,6 @@ from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
-
-CONTROL = "control/"
-
-
-def control_name(name: str) -> str:
-    """The control variate of state vector `name` (`shared` or `head/<task>`)."""
-    return f"{CONTROL}{name}"
 
 
 @dataclass
@@ -99,8 +94,7 @@ class Scaffold(Strategy):
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         eta, allocation = self.config.server_lr, state.allocation
-        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
-        vectors = {SHARED: state.vectors[SHARED] + eta * mean, **average_heads(state, updates, eta)}
+        vectors = {SHARED: fedavg_shared(state, updates, eta), **average_heads(state, updates, eta)}
         share = len(updates) / len(allocation)  # |S| / N
         vectors[control_name(SHARED)] = state.vectors[control_name(SHARED)] + share * plain_mean(
             u.vectors[control_name(SHARED)] for u in updates)

@@ -37,9 +37,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_fedtask.core.fields import option
+from hf_fedtask.core.state import (
+    TCT_LINEAR,
+    TCT_POINT,
+    linear_name,
+    moments_name,
+    norm_name,
+    tct_h_name,
+    tct_last_name,
+    tct_lr_name,
+)
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import ConfigError, ProtocolError
 from hf_fedtask.merge import weighted_average
 from hf_fedtask.strategies.base import (
     QUERY,
@@ -48,9 +58,11 @@ from hf_fedtask.strategies.base import (
     Capabilities,
     ClientJob,
     GlobalState,
+    Packaging,
     Strategy,
     StrategyConfig,
     average_heads,
+    fedavg_shared,
     head_name,
     register_strategy,
     updates_by_task,
@@ -65,22 +77,7 @@ if TYPE_CHECKING:
 
 STAGE1, NORMALIZE, STAGE2 = "stage1", "normalize", "stage2"
 MOMENTS_QUERY = "entk_moments"
-POINT = "tct/point"  # a client's copy of θ_{T₁} (shared modules), kept from the normalization round
 SPILL_BYTES = 256 << 20  # features of one (client, task) larger than this live on disk
-
-
-def moments_name(task: str) -> str:
-    return f"moments/{task}"
-
-
-def norm_name(task: str) -> str:
-    """μ and σ of `task`'s features in the stage-2 state."""
-    return f"entk/{task}"
-
-
-def linear_name(task: str) -> str:
-    """W and b of `task`'s stage-2 model."""
-    return f"linear/{task}"
 
 
 @dataclass
@@ -180,11 +177,11 @@ def regression_steps(z: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bia
 
 
 @register_strategy
-class TCT(Strategy):
+class TCT(Strategy, Packaging):
     name = "tct"
     paper = "Yu, Wei, Karimireddy, Ma and Jordan, TCT: Convexifying Federated Learning using Bootstrapped Neural Tangent Kernels, NeurIPS 2022"
     config_class = TCTConfig
-    capabilities = Capabilities(phases=(STAGE1, NORMALIZE, STAGE2), personalization=False, exports=("adapters", "tct"))
+    capabilities = Capabilities(personalization=False, exports=("adapters", "tct"))
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
@@ -216,12 +213,9 @@ class TCT(Strategy):
         total = state.vectors[SHARED].numel() + state.vectors[head_name(task)].numel()
         return min(self.config.num_features, total)
 
-    def _tasks(self, state: GlobalState) -> list[str]:
-        return sorted({t for tasks in state.allocation.values() for t in tasks})
-
     def _stage2_vectors(self, state: GlobalState) -> dict[str, TaskVector]:
         out = {}
-        for task in self._tasks(state):
+        for task in state.tasks:
             p, c = self.num_features(state, task), head_labels(state.vectors[head_name(task)])
             out[norm_name(task)] = TaskVector({"mean": torch.zeros(p), "std": torch.ones(p)})
             linear = {"weight": torch.zeros(p, c)}
@@ -282,16 +276,16 @@ class TCT(Strategy):
         return self.features.get((who, task, state_digest(point), len(data)), compute)
 
     def _client_features(self, job: ClientJob, trainer: LocalTrainer, task: str) -> torch.Tensor:
-        if POINT not in job.store:
-            raise ConfigError(f"tct: client {job.client_id} holds no stage-1 model (it missed the normalization round)")
-        return self.compute_features(trainer.host, job.store[POINT], task, job.initial_heads[task], job.data[task],
+        if TCT_POINT not in job.store:
+            raise ProtocolError(f"tct: client {job.client_id} holds no stage-1 model (it missed the normalization round)")
+        return self.compute_features(trainer.host, job.store[TCT_POINT], task, job.initial_heads[task], job.data[task],
                                      who=f"client {job.client_id}")
 
     # -- client ------------------------------------------------------------------------------------
     def client_query(self, downlink, job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
         if job.query != MOMENTS_QUERY:
-            raise ConfigError(f"tct: unknown query {job.query!r}")
-        job.store[POINT] = downlink[SHARED]
+            raise ProtocolError(f"tct: unknown query {job.query!r}")
+        job.store[TCT_POINT] = downlink[SHARED]
         vectors = {}
         for task in job.tasks:
             z = self._client_features(job, trainer, task).double()
@@ -307,19 +301,18 @@ class TCT(Strategy):
             norm, linear = downlink[norm_name(task)], downlink[linear_name(task)]
             z = (self._client_features(job, trainer, task) - norm["mean"]) / norm["std"]
             y = targets(torch.as_tensor(job.data[task]["labels"]), linear["weight"].shape[1])
-            lr_key = f"tct/lr/{task}"
-            if lr_key not in job.store:
+            if tct_lr_name(task) not in job.store:
                 lr = c.stage2_lr or 1.0 / max(largest_eigenvalue(z, c.bias), 1e-12)
-                job.store[lr_key] = TaskVector({"lr": torch.tensor([lr], dtype=torch.float64)})
-            lr = float(job.store[lr_key]["lr"])
-            last = job.store.get(f"tct/last/{task}", linear.zeros_like())  # θ̂_k (θ⁰ = 0)
-            h = job.store.get(f"tct/h/{task}", linear.zeros_like())
+                job.store[tct_lr_name(task)] = TaskVector({"lr": torch.tensor([lr], dtype=torch.float64)})
+            lr = float(job.store[tct_lr_name(task)]["lr"])
+            last = job.store.get(tct_last_name(task), linear.zeros_like())  # θ̂_k (θ⁰ = 0)
+            h = job.store.get(tct_h_name(task), linear.zeros_like())
             if c.solver == "scaffold":
                 h = h + (linear - last) * (1.0 / (c.stage2_steps * lr))
             weight, bias, loss = regression_steps(z, y, linear["weight"], linear.get("bias"), h["weight"], h.get("bias"),
                                                   c.stage2_steps, lr)
             trained = TaskVector({"weight": weight, **({"bias": bias} if bias is not None else {})})
-            job.store[f"tct/last/{task}"], job.store[f"tct/h/{task}"] = trained, h
+            job.store[tct_last_name(task)], job.store[tct_h_name(task)] = trained, h
             vectors[linear_name(task)] = trained - linear
             metrics[f"{task}/train_loss"] = loss
             metrics[f"{task}/stage2_lr"] = lr
@@ -327,7 +320,7 @@ class TCT(Strategy):
 
     @staticmethod
     def phase_of_downlink(downlink: dict[str, TaskVector]) -> str:
-        return STAGE2 if any(k.startswith("linear/") for k in downlink) else STAGE1
+        return STAGE2 if any(k.startswith(TCT_LINEAR) for k in downlink) else STAGE1
 
     # -- server ------------------------------------------------------------------------------------
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
@@ -341,8 +334,7 @@ class TCT(Strategy):
                 mean = weighted_average([u.vectors[key] for u in holders], (u.num_samples[task] for u in holders))
                 vectors[key] = state.vectors[key] + mean
             return state.next(vectors, stage2_rounds=state.scalars.get("stage2_rounds", 0) + 1)
-        mean = weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
-        vectors = {SHARED: state.vectors[SHARED] + mean, **average_heads(state, updates)}
+        vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         return state.next(vectors, phase=NORMALIZE if state.round + 1 >= self.config.stage1_rounds else STAGE1)
 
     def _normalization(self, state: GlobalState, updates: list[ClientUpdate]) -> dict[str, TaskVector]:

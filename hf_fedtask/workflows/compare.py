@@ -18,7 +18,8 @@ from hf_fedtask.config import RunConfig
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.data.reference import shipped_reference
-from hf_fedtask.engine.run import METRICS_FILE, RESULTS_FILE, run
+from hf_fedtask.engine.run import run
+from hf_fedtask.engine.run_folder import METRICS_FILE, RESULTS_FILE
 from hf_fedtask.report import pyplot
 
 INDIVIDUAL = "individual"

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from hf_fedtask.core.files import folder_lock
-from hf_fedtask.engine.run import RESULTS_FILE, load_run_config, open_finished_run, run_export, task_infos
+from hf_fedtask.engine.results import task_infos
+from hf_fedtask.engine.run import run_export
+from hf_fedtask.engine.run_folder import RESULTS_FILE, load_run_config, open_finished_run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.artifacts import export_adapters
 from hf_fedtask.export.compact import storage_report

@@ -36,8 +36,9 @@ from peft import PeftConfig
 from peft.utils import CONFIG_NAME
 
 from hf_fedtask import merge
+from hf_fedtask.core.config_hash import peft_config_hash
 from hf_fedtask.core.files import staged_folder
-from hf_fedtask.core.taskvector import TaskVector, peft_config_hash
+from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
 from hf_fedtask.export.adapter import (
     check_portable_base_model_id,

@@ -23,7 +23,7 @@ from hf_fedtask.client.trainer import LocalTrainer
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.engine.environment import Environment
-from hf_fedtask.engine.run import open_finished_run
+from hf_fedtask.engine.run_folder import open_finished_run
 from hf_fedtask.engine.server import Server
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.strategies import ClientJob
@@ -35,11 +35,11 @@ def forgetting_ratio(before: float, after: float) -> float | None:
     return (before - after) / before if before else None
 
 
-def fine_tune_locally(env: Environment, state: GlobalState, *, epochs: float = 1.0, max_steps: int = -1,
+def fine_tune_locally(env: Environment, state: GlobalState, *, local_epochs: float = 1.0, local_steps: int = -1,
                       stores: dict[int, ClientStore] | None = None) -> dict[str, list[float]]:
     """Task -> the metric of each holder's model, fine-tuned from `state`'s model of the task on the
-    holder's own data for `epochs` (or `max_steps` optimizer steps when > 0)."""
-    args = dataclasses.replace(env.trainer.args, epochs=epochs, max_steps=max_steps)
+    holder's own data for `local_epochs` (or `local_steps` optimizer steps when > 0)."""
+    args = dataclasses.replace(env.trainer.args, local_epochs=local_epochs, local_steps=local_steps)
     trainer = LocalTrainer(env.host, args)
     scores: dict[str, list[float]] = {t.name: [] for t in env.tasks}
     for cid in range(env.num_clients):
@@ -67,7 +67,7 @@ def personalize(run: str | Path | tuple[Environment, GlobalState], epochs: float
         raise ConfigError(f"strategy {env.strategy.name!r}: its task models are personal already; "
                           "FedAvg+Local starts from one model per task")
     before = Server(env).evaluate(state, stores=stores)
-    after = fine_tune_locally(env, state, epochs=epochs, stores=stores)
+    after = fine_tune_locally(env, state, local_epochs=epochs, stores=stores)
     out = {}
     for t in env.tasks:
         b, a = before[t.name][t.metric], float(np.mean(after[t.name]))
@@ -82,7 +82,8 @@ def local_only(run: Environment | RunConfig) -> dict:
     set, else `rounds` × `local_epochs` epochs)."""
     env = run if isinstance(run, Environment) else Environment(run)
     c = env.config
-    budget = {"max_steps": c.rounds * c.local_steps} if c.local_steps > 0 else {"epochs": c.rounds * c.local_epochs}
+    budget = ({"local_steps": c.rounds * c.local_steps} if c.local_steps > 0
+              else {"local_epochs": c.rounds * c.local_epochs})
     scores = fine_tune_locally(env, env.initial_state(), **budget)
     return {t.name: {"metric": t.metric, t.metric: float(np.mean(scores[t.name])), "per_client": scores[t.name]}
             for t in env.tasks}

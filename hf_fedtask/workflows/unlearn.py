@@ -1,9 +1,11 @@
-"""Forgetting a task or a client after training, two ways (NTKFedAvg §5, task arithmetic):
+"""Forgetting a task or a client after training, two ways (NTKFedAvg: Muhamed, Mankikar and Smith, 2024,
+openreview.net/forum?id=K8jxsDF9xO; task arithmetic: Ilharco et al., ICLR 2023, arXiv:2212.04089):
 
 - **federated** (`unlearn`): continue a finished FedAvg-family run for R more rounds in which the
   updates of the clients holding the forgotten task (or of the forgotten client) are negated before
-  aggregation (Alg. 1, lines 8–9). It is an ordinary run warm-started from the finished one, so it
-  logs, checkpoints, resumes, plots (`unlearning.png`) and exports like any other, into its own folder.
+  aggregation (NTKFedAvg's Alg. 1, lines 8–9). It is an ordinary run warm-started from the finished
+  one, so it logs, checkpoints, resumes, plots (`unlearning.png`) and exports like any other, into its
+  own folder.
 - **server-side removal of a client** (`remove_client`, F²L² runs): one Newton step on the server's
   own data, no message to any client (`hf_fedtask.strategies.f2l2`); or, as the baseline the paper
   compares with, stochastic gradient ascent on the client's own data (`method="sga"`, one message).
@@ -23,26 +25,25 @@ from pathlib import Path
 
 from hf_fedtask.core.checkpoint import CHECKPOINT_FILE
 from hf_fedtask.core.files import folder_lock, write_atomic
-from hf_fedtask.core.state import SHARED, head_name
+from hf_fedtask.core.state import SHARED, head_name, tracked_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.engine.run import (
+from hf_fedtask.engine.results import summarize_results
+from hf_fedtask.engine.run import RoundContext, run, run_export
+from hf_fedtask.engine.run_folder import (
     RESULTS_FILE,
     RUN_CONFIG_FILE,
-    RoundContext,
     check_output_dir,
     checkpoint_allocation,
     claim_output_dir,
     load_run_config,
     open_finished_run,
-    run,
-    run_export,
-    summarize_results,
 )
 from hf_fedtask.engine.server import Server
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import export_adapters
-from hf_fedtask.strategies import strategy_class
-from hf_fedtask.strategies.fedavg import task_vector_name
+from hf_fedtask.strategies import build_strategy
+from hf_fedtask.strategies.base import task_model
+from hf_fedtask.strategies.f2l2 import RemovalOptions
 
 
 def _run_name_part(name: str) -> str:
@@ -71,7 +72,7 @@ def unlearn(run_dir: str | Path, task: str | None, rounds: int, *, client: int |
         raise ConfigError(f"unlearning rounds must be positive, got {rounds}")
     run_dir = Path(run_dir)
     parent = _checked_run_config(run_dir)  # the cheap checks come before the model is loaded
-    if not strategy_class(parent.strategy).capabilities.federated_unlearning:
+    if not build_strategy(parent.strategy, parent.strategy_options).capabilities.federated_unlearning:
         raise ConfigError(f"strategy {parent.strategy!r} does not support federated unlearning; "
                           "use a FedAvg-family strategy (fedavg, fedprox, ntkfedavg, ntkfedprox)")
     allocation = checkpoint_allocation(run_dir)
@@ -118,7 +119,7 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
     results = summarize_results(env, state, [*history, record])
     results["unlearning"] = {"method": "one-shot: the task's vector, scaled, was subtracted from the merged model",
-                             "tasks": [task], "scale": scale, "task_vector": str(task_vector or task_vector_name(task)),
+                             "tasks": [task], "scale": scale, "task_vector": str(task_vector or tracked_task_vector_name(task)),
                              "before": before, "after": after}
     with folder_lock(out):
         check_output_dir(config, resume=False, overwrite=overwrite)
@@ -131,7 +132,7 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
 def _task_vector(state, task: str, source: str | Path | None, env) -> TaskVector:
     """τ_task: recorded by the run, or read from `source` relative to the run's PEFT init."""
     if source is None:
-        key = task_vector_name(task)
+        key = tracked_task_vector_name(task)
         if key not in state.vectors:
             raise ConfigError(f"the run did not record per-task vectors (run it with track_task_vectors: true), "
                               f"or pass a task vector / adapter folder for {task!r}")
@@ -171,10 +172,13 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
 
     if method not in REMOVAL_METHODS:
         raise ConfigError(f"unknown removal method {method!r}; choose one of {', '.join(REMOVAL_METHODS)}")
+    # checked before the run is opened: nothing is loaded or written for options the step would refuse
+    options = (RemovalOptions(l2=l2, gradient=gradient, iterations=iterations, tolerance=tolerance)
+               if method == "f2l2" else None)
     finished = open_finished_run(run_dir)
     run_dir, env, state = finished.run_dir, finished.env, finished.state
     strategy = env.strategy
-    if not hasattr(strategy, "remove_client"):
+    if not strategy.capabilities.client_removal:
         raise ConfigError(f"strategy {strategy.name!r} has no server-side removal (run strategy f2l2); "
                           "remove a client of a FedAvg-family run with `unlearn --client K --rounds R`")
     out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-remove-client{client}-{method}")
@@ -186,8 +190,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     before = server.evaluate(state, stores=finished.stores)
     start = time.perf_counter()
     if method == "f2l2":
-        removal = strategy.remove_client(state, env, client, l2=l2, gradient=gradient, iterations=iterations,
-                                         tolerance=tolerance)
+        removal = strategy.remove_client(state, env, client, options)
         new_state, messages = removal.state, 0
         details = {"l2": removal.l2, "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm}
@@ -214,7 +217,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         export_adapters(run_export(env, finished.stores), new_state, results, out)
         write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
         task = env.tasks[0].name
-        TaskVector({**new_state.vectors[SHARED], **new_state.vectors[head_name(task)]}).save(out / REMOVED_MODEL)
+        task_model(new_state.vectors, task).save(out / REMOVED_MODEL)
     return results
 
 
@@ -227,12 +230,12 @@ def _gradient_ascent(strategy, state, env, client: int, epochs: float, lr: float
 
     data = env.client_data(client)
     (task,) = sorted(data)
-    w = TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
-    args = dataclasses.replace(env.trainer.args, epochs=epochs, max_steps=-1, learning_rate=lr, optim="sgd",
-                               lr_scheduler="constant", warmup_steps=0, weight_decay=0.0)
+    w = task_model(state.vectors, task)
+    point = strategy.linearization_point(state, task) if strategy.capabilities.linearized else None
+    args = dataclasses.replace(env.trainer.args, local_epochs=epochs, local_steps=-1, learning_rate=lr,
+                               optimizer="sgd", lr_scheduler="constant", warmup_steps=0, weight_decay=0.0)
     trained, _ = LocalTrainer(env.host, args).train(w, data[task], seed=env.config.seed,
-                                                    objectives=[GradientAscent(OneHotMSE())],
-                                                    linearize_at=strategy.linearization_point(state, task))
+                                                    objectives=[GradientAscent(OneHotMSE())], linearize_at=point)
     shared = state.vectors[SHARED]
     vectors = {SHARED: trained.filter(lambda k: k in shared), head_name(task): trained.filter(lambda k: k not in shared)}
     return GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))

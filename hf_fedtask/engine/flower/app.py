@@ -31,7 +31,7 @@ from hf_fedtask.engine.flower.records import (
 from hf_fedtask.engine.flower.settings import AppSettings, parse_run_config
 from hf_fedtask.engine.flower.transport import grid_engine
 from hf_fedtask.engine.run import run
-from hf_fedtask.errors import FedTaskError
+from hf_fedtask.errors import ProtocolError
 
 server_app = ServerApp()
 client_app = ClientApp()
@@ -60,7 +60,7 @@ def answer(message: Message, context: Context) -> Message:
     source = f"message to client {client}"
     ins = read_instruction(message.content, source)
     if MESSAGE_TYPES[ins.kind] != message.metadata.message_type:
-        raise FedTaskError(f"{source}: a {ins.kind} instruction arrived as a {message.metadata.message_type} message")
+        raise ProtocolError(f"{source}: a {ins.kind} instruction arrived as a {message.metadata.message_type} message")
     settings = AppSettings.from_run_config(context.run_config)
     runtime = ClientRuntime(environment(settings.config), client, secagg_secret=node_secret(context))
     store = load_store(context)

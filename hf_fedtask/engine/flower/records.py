@@ -13,7 +13,7 @@ import json
 from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType, RecordDict
 
 from hf_fedtask.engine.messages import Instruction
-from hf_fedtask.errors import FedTaskError
+from hf_fedtask.errors import ProtocolError
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
 
 PAYLOAD = "payload"  # the ArrayRecord (and its one Array) holding the bytes
@@ -33,11 +33,11 @@ def payload_record(data: bytes) -> ArrayRecord:
 
 
 def read_payload(content: RecordDict, source: str, key: str = PAYLOAD) -> bytes:
-    """The bytes `payload_record` put in `content[key]`; a FedTaskError naming `source` if missing."""
+    """The bytes `payload_record` put in `content[key]`; a ProtocolError naming `source` if missing."""
     record = content.array_records.get(key)
     array = record.get(PAYLOAD) if record is not None else None
     if array is None or array.stype != SAFETENSORS or array.dtype != "uint8":
-        raise FedTaskError(f"{source}: the message carries no {SAFETENSORS} payload")
+        raise ProtocolError(f"{source}: the message carries no {SAFETENSORS} payload")
     return bytes(array.data)
 
 
@@ -51,13 +51,13 @@ def read_instruction(content: RecordDict, source: str) -> Instruction:
     """The Instruction `instruction_content` encoded."""
     meta = content.config_records.get(INSTRUCTION)
     if meta is None:
-        raise FedTaskError(f"{source}: the message carries no {INSTRUCTION!r} record")
+        raise ProtocolError(f"{source}: the message carries no {INSTRUCTION!r} record")
     try:
         config = json.loads(meta["config"])
         return Instruction(str(meta["kind"]), int(meta["round"]), int(meta["client_id"]),
                            read_payload(content, source), config)
     except (KeyError, TypeError, ValueError) as e:
-        raise FedTaskError(f"{source}: malformed {INSTRUCTION!r} record ({type(e).__name__}: {e})") from None
+        raise ProtocolError(f"{source}: malformed {INSTRUCTION!r} record ({type(e).__name__}: {e})") from None
 
 
 def reply_content(data: bytes) -> RecordDict:
