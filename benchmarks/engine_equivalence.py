@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         base = model.get("base_model_id", DEFAULT_BASE_MODEL)
         print(f"{', '.join(strategies)} on builtin-8, {base}, {args.clients} clients (zeta {args.zeta}), "
               f"{args.rounds} rounds, {args.local_steps} local steps x batch {args.batch_size} per (client, task), "
-              f"max_train_samples {args.max_train_samples}, save_payloads, export off; threads {args.threads or 'default'}",
+              f"max_train_samples {args.max_train_samples}, save_payloads, export off; "
+              f"threads {args.threads or 'default'}",
               flush=True)
         walls: dict[tuple[str, str], float] = {}
 

@@ -306,7 +306,8 @@ def analyse(engine: str, run_dir: Path, wall: float) -> dict:
                "train": sum(b - a for a, b in trains),
                "serialization": sum(e["serialization"] for e in exchanges)}
         row["cpu"] = (sum(e.get("cpu", 0.0) for e in events if e["ev"] == "round" and e["round"] == r)
-                      + sum(h["process_cpu"] for h in events if h["ev"] == "handle" and h["round"] == r and h["process"]))
+                      + sum(h["process_cpu"] for h in events
+                            if h["ev"] == "handle" and h["round"] == r and h["process"]))
         row["server_other"] = row["seconds"] - row["exchange"] - row["eval"]
         row["client_other"] = row["handle"] - row["train"]
         row["exchange_overhead"] = row["exchange"] - row["handle"]
@@ -391,7 +392,8 @@ def print_tables(reps: list[dict], startup: float | None) -> dict:
                   f"{_f(p['serialization'] if e == 'grid' else None)}{_f(p['eval'])}{_f(p['server_other'])}")
             if e == "deployment":
                 print(f"{LABELS['deployment_no_startup']:<32}{i:>4}{_f(p['without_startup'])}"
-                      f"{_f(ratios.get('deployment_no_startup/inprocess'))}   (start-up stall {p['stall']:.2f} s/round)")
+                      f"{_f(ratios.get('deployment_no_startup/inprocess'))}"
+                      f"   (start-up stall {p['stall']:.2f} s/round)")
     if "deployment" in names:
         print("\ndeployment, per ClientApp process and train message (mean over clients and steady rounds; "
               "clients overlap), seconds")

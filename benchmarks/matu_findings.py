@@ -113,11 +113,13 @@ def table(found: dict) -> str:
     rounds = found["rounds"]
     check = sorted({min(6, rounds), rounds})
     lines += ["", "**MaTU on the multi-task setting** (ζ=0.5), by Eq. 7's combine rule and κ", "",
-              "| variant | " + " | ".join(f"acc % r{r} | ‖τ^t‖ r{r}" for r in check) + " | sign agreement | mask density |",
+              "| variant | " + " | ".join(f"acc % r{r} | ‖τ^t‖ r{r}" for r in check)
+              + " | sign agreement | mask density |",
               "|---|" + "---|---|" * len(check) + "---|---|"]
     for name, rows in found["matu"].items():
         by_round = {row["round"]: row for row in rows}
-        cells = [f"{100 * by_round[r]['mean_accuracy']:.1f} | {by_round[r]['mean_task_vector_norm']:.3g}" for r in check]
+        cells = [f"{100 * by_round[r]['mean_accuracy']:.1f} | {by_round[r]['mean_task_vector_norm']:.3g}"
+                 for r in check]
         last = rows[-1]
         lines.append(f"| {name} | " + " | ".join(cells) +
                      f" | {100 * last['sign_agreement']:.1f}% | {100 * last['mask_density']:.1f}% |")

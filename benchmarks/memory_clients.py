@@ -279,20 +279,24 @@ def main():
             peak[n] = statistics.median(x["maxrss_mib"] for x in rs)
             assert r["strategy"] == s and r["num_clients"] == n and r["trained_clients"] == args.few, r
             print(f"{s:>6} {n:4d} simulated clients: peak RSS {peak[n]:7.1f} MiB  "
-                  f"(runs {[round(x['maxrss_mib'], 1) for x in rs]}; after imports {r['maxrss_after_imports_mib']:.0f}, "
+                  f"(runs {[round(x['maxrss_mib'], 1) for x in rs]}; "
+                  f"after imports {r['maxrss_after_imports_mib']:.0f}, "
                   f"after Federation() {r['maxrss_after_build_mib']:.0f}; trained {r['trained_clients']} clients "
                   f"with {r['samples_per_trained_client']} rows; per-client state: {r['own_copies']} own copies "
-                  f"holding {r['distinct_mib']:.2f} MiB; gc-tracked objects {r['gc_tracked_objects']}, one gc.collect() "
+                  f"holding {r['distinct_mib']:.2f} MiB; gc-tracked objects {r['gc_tracked_objects']}, "
+                  f"one gc.collect() "
                   f"{r['gc_collect_ms']:.0f} ms; build {statistics.median(x['build_s'] for x in rs):.1f} s, "
                   f"round {statistics.median(x['round_s'] for x in rs):.1f} s)")
         few, many = results[s, args.few][0], results[s, args.many][0]
         growth = peak[args.many] - peak[args.few]
         explained = many["distinct_mib"] - few["distinct_mib"]
         ratio = peak[args.many] / peak[args.few]
-        print(f"{s:>6} per-client state: one client's copy {many['one_client_mib']:.3f} MiB (expected, from its tensors); "
+        print(f"{s:>6} per-client state: one client's copy {many['one_client_mib']:.3f} MiB "
+              f"(expected, from its tensors); "
               f"own copies {few['own_copies']} with {args.few} clients vs {many['own_copies']} with {args.many} "
               f"({few['distinct_mib']:.2f} vs {many['distinct_mib']:.2f} MiB): explains {explained:+.1f} MiB of the "
-              f"measured peak growth {growth:+.1f} MiB ({(growth - explained) * 1024 / (args.many - args.few):+.0f} KiB "
+              f"measured peak growth {growth:+.1f} MiB "
+              f"({(growth - explained) * 1024 / (args.many - args.few):+.0f} KiB "
               f"per extra simulated client left)")
         lines.append(f"RATIO {s} peak({args.many})/peak({args.few}) = {ratio:.3f}  (goal <= {GOAL})  -> "
                      f"{'PASS' if ratio <= GOAL else 'FAIL'}  [per-client state {many['one_client_mib']:.3f} MiB x "

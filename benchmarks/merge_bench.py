@@ -135,7 +135,8 @@ LORA_R = 16
 LORA_MODULES = (("q_proj", 4096, 4096), ("k_proj", 4096, 4096), ("v_proj", 4096, 4096), ("o_proj", 4096, 4096),
                 ("gate_proj", 4096, 11008), ("up_proj", 4096, 11008), ("down_proj", 11008, 4096))
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-FLOOR_PAIRED = ("ties", "ties_select", "ties_model", "unify", "mean", "mean_stream", "agreement")  # timed against the floor
+# timed against the floor
+FLOOR_PAIRED = ("ties", "ties_select", "ties_model", "unify", "mean", "mean_stream", "agreement")
 # ratio name -> (goal, True when the ratio must be at least the goal); None: reported without a goal
 GOALS = {
     "ties_time/floor_time": (4.0, False),
@@ -362,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     radix_select_all(vectors[:2], args.density)
     layout = Layout(vectors)
     flats = [layout.flat_views(tv) for tv in vectors]
-    print(f"layout {args.layout} ({len(vectors[0])} tensors), N={args.n} d={args.d:,} float32 ({args.n * args.d * 4 / 2**20:,.0f} MiB of inputs), density "
+    print(f"layout {args.layout} ({len(vectors[0])} tensors), N={args.n} d={args.d:,} float32 "
+          f"({args.n * args.d * 4 / 2**20:,.0f} MiB of inputs), density "
           f"{args.density}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     runs = {
         "floor": lambda: floor(vectors),
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise SystemExit("the sampled and radix selections disagree: the comparison is void")
     rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
     for fused, reference in (("mean", "mean_torch"), ("mean_stream", "mean_torch"), ("agreement", "agreement_torch")):
-        if not all(torch.equal(outputs[fused][k].view(torch.int32), outputs[reference][k].contiguous().view(torch.int32))
+        if not all(torch.equal(outputs[fused][k].view(torch.int32),
+                               outputs[reference][k].contiguous().view(torch.int32))
                    for k in vectors[0]):
             raise SystemExit(f"{fused} and {reference} disagree: the comparison is void")
     outputs.clear()

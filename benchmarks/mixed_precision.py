@@ -9,8 +9,9 @@ vectors, server state and aggregation stay fp32 (checked: every checkpoint tenso
 Printed: each run's mean accuracy and wall time, then per precision the best wall time, the mean
 accuracy's difference from fp32 (goal: within 0.02) and the wall-time ratio fp32 / mixed (above 1:
 mixed precision is faster), also as a `RATIO` line. Runs alternate in order from one repetition to the
-next; each builds its environment afresh (tokenization included), so a ratio is of whole runs. On a CPU without native bf16 arithmetic (no AVX512-BF16/AMX), bf16 is
-emulated through fp32 conversions, so a ratio below 1 is what to expect there.
+next; each builds its environment afresh (tokenization included), so a ratio is of whole runs. On a
+CPU without native bf16 arithmetic (no AVX512-BF16/AMX), bf16 is emulated through fp32 conversions,
+so a ratio below 1 is what to expect there.
 
     python benchmarks/mixed_precision.py                       # fp32 vs bf16, 3 rounds, once each
     python benchmarks/mixed_precision.py --repeat 2 --threads 2
@@ -45,7 +46,8 @@ def one_run(args, precision: str, out: str) -> dict:
     seconds = time.perf_counter() - start
     with safe_open(os.path.join(out, "checkpoint.safetensors"), "pt") as f:
         dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
-    return {"precision": precision, "mean_metric": results["mean_metric"], "seconds": seconds, "state_dtypes": sorted(dtypes)}
+    return {"precision": precision, "mean_metric": results["mean_metric"], "seconds": seconds,
+            "state_dtypes": sorted(dtypes)}
 
 
 def main(argv=None) -> int:

@@ -141,7 +141,8 @@ def _unlearn_mode(args) -> _UnlearnMode:
     for flag in mode.required:
         if not _given(args, flag):
             others = ", ".join(m.label for m in _UNLEARN_MODES if m is not mode)
-            raise ConfigError(f"unlearn: {mode.label} needs {flag} {_METAVARS[flag]} (or unlearn another way: {others})")
+            raise ConfigError(f"unlearn: {mode.label} needs {flag} {_METAVARS[flag]} "
+                              f"(or unlearn another way: {others})")
     return mode
 
 
@@ -297,14 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", help="PEFT adapter folders or task-vector .safetensors files")
     p.add_argument("-o", "--output", required=True, help="output adapter folder")
     p.add_argument("--method", required=True, choices=("task_arithmetic", "ties", "dare", "unify"))
-    p.add_argument("--weights", default=None, help="comma-separated, one per input (default 1 each); write --weights=-1,2 when the first is negative")
-    p.add_argument("--density", type=float, default=None, help="fraction kept: ties (default 0.2) and dare (default 0.5)")
+    p.add_argument("--weights", default=None,
+                   help="comma-separated, one per input (default 1 each); "
+                        "write --weights=-1,2 when the first is negative")
+    p.add_argument("--density", type=float, default=None,
+                   help="fraction kept: ties (default 0.2) and dare (default 0.5)")
     p.add_argument("--majority-sign", choices=("total", "frequency"), default="total", help="ties and dare ties")
-    p.add_argument("--scope", choices=("tensor", "model"), default="tensor", help="ties trimming: per tensor or whole vector")
+    p.add_argument("--scope", choices=("tensor", "model"), default="tensor",
+                   help="ties trimming: per tensor or whole vector")
     p.add_argument("--seed", type=int, default=0, help="dare's random drop")
     p.add_argument("--dare-variant", choices=("linear", "ties"), default="linear")
     p.add_argument("--rescaler", choices=("global_sum", "per_tensor_mean"), default="global_sum", help="unify's λ")
-    p.add_argument("--base-adapter", default=None, help="adapter folder holding the PEFT init the task vectors start from")
+    p.add_argument("--base-adapter", default=None,
+                   help="adapter folder holding the PEFT init the task vectors start from")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=_merge)
 
@@ -323,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=_UNLEARN_METHODS, default="negate",
                    help="how a client is removed: negate (federated, --rounds), f2l2 (one Newton step on the server, "
                         "F²L² runs), sga (gradient ascent on the client's data, the baseline)")
-    p.add_argument("--l2", type=float, default=None, help="f2l2: λ of the removal step (default: the run's removal_l2, 10)")
+    p.add_argument("--l2", type=float, default=None,
+                   help="f2l2: λ of the removal step (default: the run's removal_l2, 10)")
     p.add_argument("--gradient", choices=("target", "retained"), default=None,
                    help="f2l2: g from the removed client's gradient (default) or from the retained clients'")
     p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")

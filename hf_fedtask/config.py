@@ -76,8 +76,8 @@ class RunConfig:
     max_length: int = option(32, "tokens per text input (longer ones are truncated)", minimum=1)
     load_in_4bit: bool = option(False, "QLoRA: load the base model's linear layers in 4-bit NF4 through bitsandbytes "
                                 "(LoRA methods, CUDA); exports stay adapters over the unquantized base id")
-    load_in_8bit: bool = option(False, "load the base model's linear layers in 8-bit through bitsandbytes (LoRA methods, "
-                                "CUDA); exports stay adapters over the unquantized base id")
+    load_in_8bit: bool = option(False, "load the base model's linear layers in 8-bit through bitsandbytes "
+                                "(LoRA methods, CUDA); exports stay adapters over the unquantized base id")
     # where it runs
     device: str = option("auto", "where the host model runs: auto (Accelerate's choice; under a multi-process launch "
                          "this rank's GPU, else the CPU) | cpu | cuda | cuda:N")
@@ -138,8 +138,8 @@ class RunConfig:
     save_payloads: bool = option(False, "keep every round's uplink/downlink bytes under OUTPUT_DIR/payloads (audits)")
 
     # fields that may change between a run and its resumption without making it a different run
-    RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = ("output_dir", "rounds", "report_to", "export", "eval_batch_size",
-                                                             "eval_every", "save_payloads", "device")
+    RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = (
+        "output_dir", "rounds", "report_to", "export", "eval_batch_size", "eval_every", "save_payloads", "device")
 
     def __post_init__(self):
         check_fields(self)  # types, choices and ranges of every field

@@ -48,7 +48,8 @@ def run_report(config, results: dict) -> str:
                          f"{storage['separate_bytes']:,} for {storage['tasks']} separate adapters, "
                          f"ratio {storage['ratio']:.3f}; hf_fedtask.load_task_adapter(dir, task))")
         first = next(iter(results["tasks"]))
-        lines.append(f"push:    hf-fedtask push {out / ADAPTERS_DIR / first} --repo-id <you>/{results['strategy']}-{first}")
+        lines.append(f"push:    hf-fedtask push {out / ADAPTERS_DIR / first} "
+                     f"--repo-id <you>/{results['strategy']}-{first}")
     return "\n".join(lines)
 
 
@@ -133,7 +134,8 @@ def plot_metric_vs_round(history: list[dict], path: Path, title: str = "") -> Pa
     fig, ax = plt.subplots(figsize=(9 if labelled else 7, 4.5))
     for i, task in enumerate(tasks):
         values = [headline_metric(h, task) for h in history]
-        style = {"color": f"C{i + 1}", "label": task, "linewidth": 1.2} if labelled else {"color": "0.75", "linewidth": 0.8}
+        style = ({"color": f"C{i + 1}", "label": task, "linewidth": 1.2} if labelled
+                 else {"color": "0.75", "linewidth": 0.8})
         ax.plot(rounds, values, marker="." if labelled else None, **style)
     ax.plot(rounds, [h["mean_metric"] for h in history], color="C0", linewidth=3, label="mean over tasks")
     return _save_round_plot(fig, ax, path, title)

@@ -97,7 +97,8 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
         unlearn(out / "fedavg_trained", None, rounds, client=target, output_dir=negated,
                 resume=(negated / "checkpoint.safetensors").exists())
     rows = {}
-    for name, folder in {"FedAvg trained": out / "fedavg_trained", f"FedAvg + negation ({rounds} rounds)": negated}.items():
+    for name, folder in {"FedAvg trained": out / "fedavg_trained",
+                         f"FedAvg + negation ({rounds} rounds)": negated}.items():
         finished = open_finished_run(folder)
         evals = Server(finished.env).evaluate(finished.state)[task]
         rows[name] = {"ta": evals["accuracy"], "bsr": evals[BSR], "w": None,
@@ -118,18 +119,20 @@ def main(argv=None) -> int:
         base = recipe_config(args, DEFAULTS, {})
         out = Path(base.output_dir)
         target = base.backdoor_client
-        configs = {"trained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "trained")}, source="recipe"),
+        configs = {"trained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "trained")},
+                                                  source="recipe"),
                    "retrained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "retrained"),
                                                      "exclude_clients": [target]}, source="recipe")}
         for config in configs.values():
-            finished_results(config) or run(config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
+            finished_results(config) or run(
+                config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
         trained, retrained = open_finished_run(out / "trained"), open_finished_run(out / "retrained")
         env, task = trained.env, trained.env.tasks[0].name
         rows = {}
         for name, (state, extra) in {"trained": (trained.state, {}), "retrained": (retrained.state, {})}.items():
             evals = Server(env).evaluate(state)[task]
-            rows[name] = {"ta": evals["accuracy"], "bsr": evals[BSR], "bsr_train": poisoned_bsr(env, state, target, task),
-                          "w": model_of(state, task), **extra}
+            rows[name] = {"ta": evals["accuracy"], "bsr": evals[BSR],
+                          "bsr_train": poisoned_bsr(env, state, target, task), "w": model_of(state, task), **extra}
         round_s = statistics.median(r["seconds"] for r in trained.history if r.get("kind", "train") == "train")
         for name, options in REMOVALS.items():
             folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
@@ -137,7 +140,8 @@ def main(argv=None) -> int:
             u = results["unlearning"]
             w = TaskVector.load(folder / REMOVED_MODEL)
             removed_state = trained.state.next({SHARED: w.filter(lambda k: k in trained.state.vectors[SHARED]),
-                                                head_name(task): w.filter(lambda k: k not in trained.state.vectors[SHARED])})
+                                                head_name(task): w.filter(
+                                                    lambda k: k not in trained.state.vectors[SHARED])})
             rows[name] = {"ta": u["after"][task]["accuracy"], "bsr": u["after"][task][BSR],
                           "bsr_train": poisoned_bsr(env, removed_state, target, task), "w": w,
                           "seconds": u["seconds"], "messages": u["client_messages"],

@@ -8,10 +8,10 @@ FedAvg vs FedAvg+Local (forgetting ratio) and the privacy variant's upload cost.
 
 Tasks, in the order they are added (the paper, Zhang et al., 2023, arXiv:2307.04905, adds CIFAR-10,
 related to task 0, then unrelated CelebA and FEMNIST): first_name_gender (task 0), first_name_origin
-(related: the same first names), then vader_polarity and langid_germanic (unrelated). Each task has 4 clients holding one
-task each (64 training samples each); half of all clients train per round, 3 local epochs, 8 rounds. Full-update FedAvg trains the whole
-backbone (peft_method "full") at learning rate 5e-5; the modules use 5e-3. Accuracy is on each
-task's global test split.
+(related: the same first names), then vader_polarity and langid_germanic (unrelated). Each task has
+4 clients holding one task each (64 training samples each); half of all clients train per round, 3
+local epochs, 8 rounds. Full-update FedAvg trains the whole backbone (peft_method "full") at learning
+rate 5e-5; the modules use 5e-3. Accuracy is on each task's global test split.
 
 Writes `<output_dir>/fedyolo_multitask.md` (tables), `fedyolo_multitask.json`,
 `task0_vs_tasks.png`, and every run under `<output_dir>/<k>_tasks/<method>/`. Rerunning reuses

@@ -175,7 +175,8 @@ def _plot_curves(curves: dict, path: Path) -> None:
         rounds = [h["round"] for h in history]
         style = "-" if regime == "local_work" else "--"
         line = ax.plot(rounds, [100 * h["mean_metric"] for h in history], style, marker=".", color=f"C{i}",
-                       label=f"{strategy}, {regime}" + (" (linearized)" if "mean_metric_nonlinear" in history[0] else ""))
+                       label=f"{strategy}, {regime}"
+                       + (" (linearized)" if "mean_metric_nonlinear" in history[0] else ""))
         if "mean_metric_nonlinear" in history[0]:
             ax.plot(rounds, [100 * h["mean_metric_nonlinear"] for h in history], ":", color=line[0].get_color(),
                     label=f"{strategy}, {regime} (same θ, non-linear)")

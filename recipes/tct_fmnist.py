@@ -69,8 +69,8 @@ def methods(args) -> dict[str, dict]:
 
 def ablation(args) -> dict[str, dict]:
     """TCT with stage-2 solver s and M local steps, as `tct_<s>_M<M>`."""
-    return {f"tct_{solver}_M{m}": {"strategy": "tct", "stage1_rounds": args.tct_stage1, "num_features": args.tct_features,
-                                   "stage2_steps": m, "solver": solver}
+    return {f"tct_{solver}_M{m}": {"strategy": "tct", "stage1_rounds": args.tct_stage1,
+                                   "num_features": args.tct_features, "stage2_steps": m, "solver": solver}
             for m in args.ablation_steps for solver in ("scaffold", "fedavg")}
 
 
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     names = [m for m in methods(args) if m not in ablation(args)]
     acc = {m: {s: 100 * table[s][m]["mean_metric"] for s in splits} for m in methods(args)}
     header = " | ".join(SPLITS[s][0] for s in splits)
-    lines = [f"**{', '.join(base.tasks or [])}, {base.num_clients} clients, {base.rounds} rounds, test accuracy % after the last "
+    lines = [f"**{', '.join(base.tasks or [])}, {base.num_clients} clients, {base.rounds} rounds, "
+             f"test accuracy % after the last "
              f"round** (paper, Table 2: #C=1 / #C=2 / α=0.1 / α=0.5)", "",
              f"| method | {header} | paper |", "|---|" + "---|" * len(splits) + "---|"]
     for m in names:

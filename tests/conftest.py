@@ -79,6 +79,7 @@ def tiny_tasks_dir(tmp_path_factory):
     paths = []
     for name, (stems, labels) in specs.items():
         feats = Features({"text": Value("string"), "label": ClassLabel(names=labels)})
+
         def make(n, offset):
             rows = {"text": [], "label": []}
             for i in range(n):
@@ -126,7 +127,8 @@ def tiny_image_tasks_dir(tmp_path_factory):
         return PILImage.fromarray(pixels, mode="RGB")
 
     feats = Features({"image": Image(), "label": ClassLabel(names=list(colours))})
-    squares = {split: Dataset.from_dict({"image": [square(i % 3) for i in range(n)], "label": [i % 3 for i in range(n)]},
+    squares = {split: Dataset.from_dict({"image": [square(i % 3) for i in range(n)],
+                                         "label": [i % 3 for i in range(n)]},
                                         features=feats) for split, n in (("train", 48), ("test", 18))}
     DatasetDict(squares).save_to_disk(out / "squares")
 

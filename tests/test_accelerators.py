@@ -142,7 +142,8 @@ def test_quantized_bases_are_refused_where_they_cannot_run(tiny_bert_dir, tiny_t
     with pytest.raises(ConfigError, match="load_in_8bit: a quantized base trains LoRA modules only"):
         run(_config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "ia3", peft_method="ia3", load_in_8bit=True))
     config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "q", load_in_4bit=True, device="cpu")
-    missing = "needs the bitsandbytes package" if importlib.util.find_spec("bitsandbytes") is None else "runs on a CUDA device"
+    missing = ("needs the bitsandbytes package" if importlib.util.find_spec("bitsandbytes") is None
+               else "runs on a CUDA device")
     with pytest.raises(ConfigError, match=f"load_in_4bit: .*{missing}"):
         run(config)
     assert not (tmp_path / "q" / "run_config.yaml").exists()
@@ -182,8 +183,8 @@ def _torchrun(tmp_path, config: RunConfig, *extra: str, processes: int = 2) -> s
     script = tmp_path / "launched.py"
     script.write_text(textwrap.dedent(_LAUNCHED))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-                           str(script), json.dumps(config.to_dict()), *extra],
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", str(processes), str(script), json.dumps(config.to_dict()), *extra],
                           capture_output=True, text=True, timeout=600, env=env)
 
 

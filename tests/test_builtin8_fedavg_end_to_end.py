@@ -38,7 +38,8 @@ def test_fedavg_builtin8_above_chance_and_reproducible_with_stock_peft(tmp_path,
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     for name, r in results["tasks"].items():
         adapter = run_dir / "adapters" / name
-        assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == DEFAULT_BASE_MODEL
+        assert (json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+                == DEFAULT_BASE_MODEL)
         base = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=r["num_labels"])
         model = PeftModel.from_pretrained(base, adapter).eval()
         test = load_from_disk(str(data_dir / name))["test"]

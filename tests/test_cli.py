@@ -51,7 +51,8 @@ def test_push_arrives_byte_identical_and_network_errors_are_one_line(tiny_config
     for f in files:
         assert store.repos["me/moods"][f.relative_to(adapter).as_posix()] == f.read_bytes()
     capsys.readouterr()
-    assert main(["push", str(adapter), "--repo-id", "me/moods", "--endpoint", "http://127.0.0.1:9", "--token", "x"]) == 2
+    assert main(["push", str(adapter), "--repo-id", "me/moods", "--endpoint", "http://127.0.0.1:9",
+                 "--token", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "me/moods" in err
 
@@ -97,7 +98,8 @@ def test_load_adapter_example_predicts_label_names(tiny_config, capsys):
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = tiny_config.base_model  # the tiny base is local, not on the Hub
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
-    spec = importlib.util.spec_from_file_location("load_adapter", Path(__file__).parents[1] / "examples" / "load_adapter.py")
+    spec = importlib.util.spec_from_file_location("load_adapter",
+                                                  Path(__file__).parents[1] / "examples" / "load_adapter.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     labels = example.main(str(adapter), ["red apple", "blue sky"])
@@ -113,7 +115,8 @@ def test_flower_app_writes_the_manifest_and_a_bad_connection_is_one_line(tmp_pat
     assert tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text()) == tomllib.loads(repo_app.read_text())
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     capsys.readouterr()
-    assert main(["flower", "run", "--connection", "nowhere", "--output-dir", str(tmp_path / "run"), "--rounds", "1"]) == 2
+    assert main(["flower", "run", "--connection", "nowhere", "--output-dir", str(tmp_path / "run"),
+                 "--rounds", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hf-fedtask: error") and "nowhere" in err[-1]
     assert not (tmp_path / "run").exists()

@@ -48,7 +48,8 @@ def make_parts(peft_layout, num_tasks, seed=0):
     tasks = [f"task{i}" for i in range(num_tasks)]
     masks = {t: init.apply(lambda v: torch.rand(v.shape, generator=g) < 0.5) for t in tasks}
     rescalers = {t: 0.5 + i for i, t in enumerate(tasks)}
-    heads = {t: TaskVector({head_keys[0]: torch.randn(2 + i, 32, generator=g), head_keys[1]: torch.randn(2 + i, generator=g)})
+    heads = {t: TaskVector({head_keys[0]: torch.randn(2 + i, 32, generator=g),
+                            head_keys[1]: torch.randn(2 + i, generator=g)})
              for i, t in enumerate(tasks)}
     return {"peft_config": lora_config(), "base_model_id": BASE_ID, "init": init, "unified": unified,
             "masks": masks, "rescalers": rescalers, "heads": heads}
@@ -75,7 +76,8 @@ def test_round_trip_per_task_folders_and_stock_peft_equality(tmp_path, peft_layo
             assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
 
         # the same state in an adapter folder written independently, loaded with stock PEFT
-        reference = save_adapter(tmp_path / f"ref-{t}", peft_config=lora_config(), state_dict=state, base_model_id=BASE_ID)
+        reference = save_adapter(tmp_path / f"ref-{t}", peft_config=lora_config(), state_dict=state,
+                                 base_model_id=BASE_ID)
         stock = PeftModel.from_pretrained(load_classifier(resolve_base_model(tiny_bert_dir), 2 + i), reference).eval()
         ours = load_task_adapter(folder, t, base_model=tiny_bert_dir)
         assert isinstance(ours, PeftModel) and not ours.training
@@ -176,7 +178,8 @@ def test_overwrite_rules_and_failed_writes(tmp_path, peft_layout, monkeypatch):
 def test_bad_arguments_are_value_errors(tmp_path, peft_layout):
     parts = make_parts(peft_layout, 3)
     key = next(iter(parts["init"]))
-    bad_mask = {**parts["masks"], "task0": TaskVector({**parts["masks"]["task0"], key: torch.ones(2, dtype=torch.bool)})}
+    bad_mask = {**parts["masks"],
+                "task0": TaskVector({**parts["masks"]["task0"], key: torch.ones(2, dtype=torch.bool)})}
     with pytest.raises(ValueError, match="mask of 'task0'"):
         save_compact(tmp_path / "a", **{**parts, "masks": bad_mask})
     with pytest.raises(ValueError, match="task name"):

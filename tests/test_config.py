@@ -21,7 +21,8 @@ def test_flags_override_yaml(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("strategy: fedprox\nrounds: 7\nproximal_mu: 0.5\nreport_to: [tensorboard]\n")
     c = _parse(["--config", str(cfg), "--rounds", "2", "--learning-rate", "0.1", "--no-export"])
-    assert (c.strategy, c.rounds, c.strategy_config.proximal_mu, c.learning_rate, c.export) == ("fedprox", 2, 0.5, 0.1, False)
+    assert (c.strategy, c.rounds, c.strategy_config.proximal_mu, c.learning_rate, c.export) == (
+        "fedprox", 2, 0.5, 0.1, False)
     assert c.report_to == ["tensorboard"]
 
 
@@ -112,7 +113,8 @@ def test_local_training_args_are_the_run_configs_settings_under_their_names():
     assert (args.local_epochs, args.local_steps, args.optimizer) == (2.5, 7, "sgd")
 
 
-@pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parents[1] / "recipes" / "presets").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "preset", sorted(p.name for p in (Path(__file__).parents[1] / "recipes" / "presets").glob("*.yaml")))
 def test_presets_load_through_flags_as_they_do_through_yaml(preset, monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     path = Path(__file__).parents[1] / "recipes" / "presets" / preset
@@ -160,7 +162,8 @@ def test_a_flat_run_config_of_the_previous_release_still_loads_and_keeps_its_fin
 ])
 def test_an_option_the_strategy_does_not_have_is_an_error_from_flags_yaml_and_python(strategy, option, value, tmp_path):
     flag = "--" + option.replace("_", "-")
-    argv = ["--strategy", strategy, flag] + ([] if value is True else [str(v) for v in (value if isinstance(value, list) else [value])])
+    argv = ["--strategy", strategy, flag] + ([] if value is True
+                                             else [str(v) for v in (value if isinstance(value, list) else [value])])
     with pytest.raises(ConfigError, match=f"'{strategy}' does not support option '{option}'"):
         _parse(argv)
     cfg = tmp_path / "run.yaml"

@@ -165,7 +165,8 @@ class QueryThenTrain(FedAvg):
         return {} if self._querying(state) else super().downlink(state, client_id, tasks)
 
     def update_templates(self, state, client_id, tasks):
-        return {STATS: self._stats_layout()} if self._querying(state) else super().update_templates(state, client_id, tasks)
+        return ({STATS: self._stats_layout()} if self._querying(state)
+                else super().update_templates(state, client_id, tasks))
 
     def client_query(self, downlink, job, trainer) -> ClientUpdate:
         if job.query != STATS or downlink:
@@ -331,9 +332,10 @@ def test_fedper_metric_is_the_mean_over_the_holders_own_models(tiny_bert_dir, ti
         holders = state.holders(task.name)
         values, params = [], []
         for c in holders:
-            job = ClientJob(client_id=c, round=state.round, data=fed.client_data(c), seed=config.seed, origin=fed.origin,
-                            initial_heads=fed.initial_heads, store=fed.client_stores[c])
-            params.append(strategy.client_task_parameters(strategy.downlink(state, c, state.allocation[c]), job, task.name))
+            job = ClientJob(client_id=c, round=state.round, data=fed.client_data(c), seed=config.seed,
+                            origin=fed.origin, initial_heads=fed.initial_heads, store=fed.client_stores[c])
+            params.append(strategy.client_task_parameters(strategy.downlink(state, c, state.allocation[c]), job,
+                                                          task.name))
             values.append(evaluate(fed.host, params[-1], fed.test_data(task.name), task.metric,
                                    config.eval_batch_size)[task.metric])
             assert _tensors_equal(dict(evaluated[(c, task.name)]), dict(params[-1])), (c, task.name)

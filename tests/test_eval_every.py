@@ -31,7 +31,8 @@ def test_sparse_evaluation_trains_identically_and_reports_the_last_round(tiny_co
     assert all("mean_metric" not in h and h["bytes_uplink"] > 0 for h in history[:2])
     dense = _history(tmp_path / "every")
     assert [history[i]["eval"] for i in (2, 3)] == [dense[i]["eval"] for i in (2, 3)]
-    assert sparse_results["tasks"] == dense_results["tasks"] and sparse_results["mean_metric"] == dense_results["mean_metric"]
+    assert (sparse_results["tasks"] == dense_results["tasks"]
+            and sparse_results["mean_metric"] == dense_results["mean_metric"])
     assert (tmp_path / "sparse" / "accuracy_vs_round.png").stat().st_size > 0
 
 

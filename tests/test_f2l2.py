@@ -55,7 +55,8 @@ def test_gauss_newton_products_and_cg_equal_a_direct_solve():
     data = env.test_data(task).select(range(6))
     with env.host.loaded(point) as model:
         model.eval()
-        inputs = {k: v for k, v in env.host.inputs.collator([data[i] for i in range(len(data))]).items() if k != "labels"}
+        inputs = {k: v for k, v in env.host.inputs.collator([data[i] for i in range(len(data))]).items()
+                  if k != "labels"}
         jac = _jacobian(model, inputs).double()
         params = env.host.trainable_by_name()
         order = [k for k, p in params.items()]  # the live order of model.parameters() by saved name
@@ -120,7 +121,8 @@ def test_f2l2_removes_the_backdoor_on_the_server_alone(backdoored, monkeypatch):
     loader = torch.utils.data.DataLoader(env.test_data("digits"), batch_size=128, collate_fn=env.host.inputs.collator)
     with torch.no_grad():
         preds = torch.cat([model(**{k: v for k, v in b.items() if k != "labels"}).logits.argmax(-1) for b in loader])
-    assert float(np.mean(preds.numpy() == np.asarray(env.test_data("digits")["labels"]))) == pytest.approx(after["accuracy"])
+    assert (float(np.mean(preds.numpy() == np.asarray(env.test_data("digits")["labels"])))
+            == pytest.approx(after["accuracy"]))
     card = (root / "removed" / "adapters" / "digits" / "README.md").read_text()
     assert "Unlearned client(s) 0" in card and "no client was contacted" in card
     saved = TaskVector.load(root / "removed" / REMOVED_MODEL)

@@ -62,7 +62,8 @@ def test_build_strategy_types_its_options_and_rejects_unknown_names():
     assert isinstance(s.config.server_lr, float)
     with pytest.raises(ConfigError, match="fedavgg"):
         build_strategy("fedavgg", {})
-    with pytest.raises(ConfigError, match="'fedavg' does not support option 'proximal_mu' \\(an option of fedprox, ntkfedprox\\)"):
+    with pytest.raises(ConfigError, match="'fedavg' does not support option 'proximal_mu' "
+                                          "\\(an option of fedprox, ntkfedprox\\)"):
         build_strategy("fedavg", {"proximal_mu": 0.3})
     with pytest.raises(ConfigError, match="learning_rate"):  # a run setting, not a strategy option
         build_strategy("fedprox", {"learning_rate": 1.0})

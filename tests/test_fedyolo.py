@@ -83,7 +83,8 @@ def test_round_equals_hand_averaged_uploads_and_downlinks_hold_only_own_tasks(yo
     sim, state, history = _final(yolo_config)
     initial = sim.initial_state()
     assert history[0]["clients"] == [1, 2, 3]
-    up, down = _payloads(Path(yolo_config.output_dir), 1, "uplink"), _payloads(Path(yolo_config.output_dir), 1, "downlink")
+    up, down = (_payloads(Path(yolo_config.output_dir), 1, "uplink"),
+                _payloads(Path(yolo_config.output_dir), 1, "downlink"))
     for cid in (1, 2, 3):
         (task,) = sim.allocation[cid]
         own = {name for name in initial.vectors if name == SHARED or name.endswith(f"/{task}")}
@@ -234,7 +235,8 @@ def test_secure_round_refuses_plain_uploads_and_recovers_a_dropped_client():
                                                              public_key=str(client.public_key)))
         secure.register(c, key)
     peers = {int(c): int(k) for c, k in secure.peers.items()}
-    updates = {c: ClientUpdate(c, 1, {"module/a": TaskVector({"w": torch.full((3,), c + 1.0)})}, {"a": 4}) for c in (0, 2)}
+    updates = {c: ClientUpdate(c, 1, {"module/a": TaskVector({"w": torch.full((3,), c + 1.0)})}, {"a": 4})
+               for c in (0, 2)}
     with pytest.raises(TaskVectorError, match="expected int64"):  # an unmasked float upload never reaches the sum
         secure.receive(0, updates[0].to_bytes(**HEADER))
     for cid, update in updates.items():

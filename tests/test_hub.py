@@ -65,7 +65,8 @@ def big_adapter_dir(tmp_path_factory):
     state["base_model.model.classifier.bias"] = torch.zeros(3)
     config = LoraConfig(task_type="SEQ_CLS", r=r, target_modules=["query", "value"])
     folder = save_adapter(tmp_path_factory.mktemp("big") / "adapter", peft_config=config, state_dict=state,
-                          base_model_id="me/bert-large", card=render_model_card({**INFO, "base_model": "me/bert-large"}))
+                          base_model_id="me/bert-large",
+                          card=render_model_card({**INFO, "base_model": "me/bert-large"}))
     assert (folder / "adapter_model.safetensors").stat().st_size > 10 * 2**20
     return folder
 
@@ -158,7 +159,8 @@ def test_push_uploads_every_file_byte_identical(hub_stub, adapter_dir):
     assert set(store.commits[-1].regular) == {"README.md", "adapter_config.json"}
 
     push_to_hub(adapter_dir, "me/fed-tiny", token="hf_test", endpoint=endpoint)  # existing repo is fine
-    assert len(store.commits) == 2 and store.repos["me/fed-tiny"] == {p.name: p.read_bytes() for p in adapter_dir.iterdir()}
+    assert (len(store.commits) == 2
+            and store.repos["me/fed-tiny"] == {p.name: p.read_bytes() for p in adapter_dir.iterdir()})
 
 
 def test_push_of_a_large_adapter_goes_through_lfs(hub_stub, big_adapter_dir):

@@ -31,7 +31,8 @@ def test_run_writes_metrics_results_checkpoint_and_peft_adapters(tiny_config):
         folder = run_dir / "adapters" / task
         config = json.loads((folder / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == "hf-fedtask-tests/tiny-bert"
-        assert load_file(folder / "adapter_model.safetensors")["base_model.model.classifier.weight"].shape[0] == r["num_labels"]
+        assert (load_file(folder / "adapter_model.safetensors")["base_model.model.classifier.weight"].shape[0]
+                == r["num_labels"])
         assert (folder / "README.md").exists()
 
 
@@ -197,7 +198,8 @@ def test_proximal_loss_is_half_mu_times_squared_distance(tiny_config, tmp_path):
     model = sim.host.model
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     plain = _ObjectiveTrainer(model=model, args=args)
-    prox = _ObjectiveTrainer(model=model, args=args, objectives=[ProximalTerm(3.0)], params=sim.host.trainable_by_name())
+    prox = _ObjectiveTrainer(model=model, args=args, objectives=[ProximalTerm(3.0)],
+                             params=sim.host.trainable_by_name())
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(sim.host.trainable_by_name()) == len(trainable)  # every trainable parameter, by its saved name
     with torch.no_grad():

@@ -38,7 +38,8 @@ def ref_unify(taus: list[torch.Tensor]):
     agree = (stacked.sign() == sign) & (sign != 0)
     tau = sign * (stacked.abs() * agree).max(0).values
     masks = [(t * tau) > 0 for t in taus]
-    lams = [float(t.abs().sum() / (m * tau).abs().sum()) if (m * tau).abs().sum() > 0 else 0.0 for t, m in zip(taus, masks)]
+    lams = [float(t.abs().sum() / (m * tau).abs().sum()) if (m * tau).abs().sum() > 0 else 0.0
+            for t, m in zip(taus, masks)]
     return tau, masks, lams
 
 
@@ -139,10 +140,12 @@ def test_server_aggregation_matches_the_reference(combine, vectors, neighbours):
     for t in TASKS:
         torch.testing.assert_close(new.vectors[matu_task_vector_name(t)].flatten(), expected[t], rtol=1e-5, atol=1e-6)
     # heads: sample-weighted mean of the holders' changes
-    h = [(u.num_samples["t0"], decode_heads(u.vectors[MATU_WIRE], {t: state.vectors[head_name(t)] for t in sorted(u.num_samples)})["t0"])
+    h = [(u.num_samples["t0"],
+          decode_heads(u.vectors[MATU_WIRE], {t: state.vectors[head_name(t)] for t in sorted(u.num_samples)})["t0"])
          for u in updates if "t0" in u.num_samples]
     mean = sum((n * v for n, v in h), h[0][1].zeros_like()) / sum(n for n, _ in h)
-    torch.testing.assert_close(new.vectors[head_name("t0")].flatten(), (state.vectors[head_name("t0")] + mean).flatten())
+    torch.testing.assert_close(new.vectors[head_name("t0")].flatten(),
+                               (state.vectors[head_name("t0")] + mean).flatten())
     origin = state.vectors[SHARED].flatten()
     tau, masks, lams = ref_unify([expected[t] for t in TASKS])
     for i, t in enumerate(TASKS):
@@ -154,8 +157,8 @@ def test_server_aggregation_matches_the_reference(combine, vectors, neighbours):
         assert all(torch.equal(params[k], head[k]) for k in head)
         # the compact form decodes the unification of all four task vectors
         compact = strategy.compact_task_parameters(new, t)
-        torch.testing.assert_close(compact.filter(lambda k: k in SHARED_KEYS).flatten(), origin + lams[i] * masks[i] * tau,
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compact.filter(lambda k: k in SHARED_KEYS).flatten(),
+                                   origin + lams[i] * masks[i] * tau, rtol=1e-5, atol=1e-6)
         assert all(torch.equal(compact[k], head[k]) for k in head)
 
 
@@ -194,7 +197,8 @@ def test_carried_forward_tasks_are_neighbours_only_with_neighbours_all():
         for t, v in stored.items():
             state.vectors[matu_task_vector_name(t)] = v
         new = strategy.server_aggregate(state, single_task_uploads(uploaded))
-        assert torch.equal(new.vectors[matu_task_vector_name("t1")].flatten(), stored["t1"].flatten())  # no participant: kept
+        assert torch.equal(new.vectors[matu_task_vector_name("t1")].flatten(),
+                           stored["t1"].flatten())  # no participant: kept
         return new.vectors[matu_task_vector_name("t0")]
 
     stored = {"t1": common + random_tv(gen, scale=0.1)}
@@ -219,7 +223,8 @@ def test_carried_forward_tasks_are_neighbours_only_with_neighbours_all():
             expected = stored["t0"] + (1 / (1 + s)) * (upload + s * increment_t2)
         else:  # t1 has nothing to add and is skipped; t2 is compared by its whole vector τ^{t2} + increment
             s = float(sign_similarity([stored["t0"] + upload, stored["t1"], stored["t2"] + increment_t2])[0, 2])
-            expected = (stored["t0"] + (1 / (1 + s)) * (upload + s * increment_t2)) if s > 0.5 else stored["t0"] + upload
+            expected = ((stored["t0"] + (1 / (1 + s)) * (upload + s * increment_t2)) if s > 0.5
+                        else stored["t0"] + upload)
         torch.testing.assert_close(got.flatten(), expected.flatten())
 
 
@@ -263,8 +268,10 @@ def test_uplink_bytes_meet_the_bound_and_match_the_files_on_disk(matu_config):
     run_dir = Path(matu_config.output_dir)
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     for cid, traffic in record["bytes_per_client"].items():
-        assert (run_dir / "payloads" / "round_1" / f"client_{cid}.uplink.safetensors").stat().st_size == traffic["uplink"]
-        assert (run_dir / "payloads" / "round_1" / f"client_{cid}.downlink.safetensors").stat().st_size == traffic["downlink"]
+        assert ((run_dir / "payloads" / "round_1" / f"client_{cid}.uplink.safetensors").stat().st_size
+                == traffic["uplink"])
+        assert ((run_dir / "payloads" / "round_1" / f"client_{cid}.downlink.safetensors").stat().st_size
+                == traffic["downlink"])
     assert record["bytes_uplink"] == sum(t["uplink"] for t in record["bytes_per_client"].values())
 
 
@@ -273,6 +280,7 @@ def test_bfloat16_wire_halves_the_unified_vector_and_decodes_close():
     vectors = {t: random_tv(gen, {"w": (64, 64)}) for t in ("a", "b")}
     f32, bf16 = encode_wire(vectors, "global_sum"), encode_wire(vectors, "global_sum", "bfloat16")
     assert bf16["unified"].dtype == torch.bfloat16
+
     def size(w):  # the data section: the header's JSON length varies with its (unordered) metadata and padding
         payload = ClientUpdate(0, 1, {MATU_WIRE: w}, {"a": 1, "b": 1}).to_bytes(
             base_model="m", base_model_revision="r", peft_config_hash="h")
@@ -291,7 +299,8 @@ def test_uplink_bytes_within_one_percent_of_the_formula_at_minilm_size(k):
               (8, 384) if ab == "A" else (384, 8) for i in range(6) for m in ("query", "value") for ab in "AB"}
     d = sum(a * b for a, b in shapes.values())
     names = [f"first_name_origin_{t}" for t in range(k)]  # long, realistic task names
-    heads = {t: TaskVector({"classifier.weight": torch.randn(6, 384), "classifier.bias": torch.randn(6)}) for t in names}
+    heads = {t: TaskVector({"classifier.weight": torch.randn(6, 384), "classifier.bias": torch.randn(6)})
+             for t in names}
     vectors = {t: random_tv(gen, shapes) for t in names}
     update = ClientUpdate(7, 12, {MATU_WIRE: encode_wire(vectors, "global_sum", heads=heads)}, {t: 133 for t in names},
                           {f"{t}/train_loss": 0.123456789 for t in names})
@@ -352,9 +361,11 @@ def test_wire_slots_are_matched_by_name_not_position():
     heads = {t: TaskVector({k: torch.randn(s, generator=gen) for k, s in HEAD.items()}) for t in vectors}
     wire = encode_wire(vectors, "global_sum", heads=heads)
     assert wire_tasks(wire) == ["b", "a", "c"]
-    ordered = encode_wire({t: vectors[t] for t in sorted(vectors)}, "global_sum", heads={t: heads[t] for t in sorted(heads)})
+    ordered = encode_wire({t: vectors[t] for t in sorted(vectors)}, "global_sum",
+                          heads={t: heads[t] for t in sorted(heads)})
     for t in vectors:
-        torch.testing.assert_close(decode_task(wire, t, vectors[t]).flatten(), decode_task(ordered, t, vectors[t]).flatten())
+        torch.testing.assert_close(decode_task(wire, t, vectors[t]).flatten(),
+                                   decode_task(ordered, t, vectors[t]).flatten())
         torch.testing.assert_close(decode_heads(wire, heads)[t].flatten(), heads[t].flatten())
     with pytest.raises(TaskVectorError, match="'d'"):
         decode_task(wire, "d", vectors["a"])
@@ -376,7 +387,8 @@ def test_exact_start_sends_each_task_vector_and_clients_train_from_it():
     numel = sum(v.numel() for v in state.vectors[SHARED].values())
     assert sorted(wire) == ["heads", "tasks", "vectors"] and wire["vectors"].shape == (3, numel)
     for t in tasks:
-        assert torch.equal(decode_task(wire, t, state.vectors[SHARED]).flatten(), state.vectors[matu_task_vector_name(t)].flatten())
+        assert torch.equal(decode_task(wire, t, state.vectors[SHARED]).flatten(),
+                           state.vectors[matu_task_vector_name(t)].flatten())
     unified = build_strategy("matu", {}).downlink(state, 0, tasks)[MATU_WIRE]
     assert wire["vectors"].numel() == 3 * unified["unified"].numel()
     assert set(strategy.update_templates(state, 0, tasks)[MATU_WIRE]) == set(unified)  # uploads: the unified form

@@ -64,7 +64,8 @@ def optima(origin: TaskVector, opposite: float = 0.4, client_noise: float = 1.0,
     tau_a = torch.randn(numel, generator=gen)
     flip = torch.where(torch.rand(numel, generator=gen) < opposite, -1.0, 1.0)
     targets = {"A": TaskVector.unflatten(tau_a, origin), "B": TaskVector.unflatten(tau_a * flip, origin)}
-    per_client = {(c, t): origin + targets[t] + TaskVector.unflatten(client_noise * torch.randn(numel, generator=gen), origin)
+    per_client = {(c, t): origin + targets[t]
+                  + TaskVector.unflatten(client_noise * torch.randn(numel, generator=gen), origin)
                   for c in range(CLIENTS) for t in TASKS}
     return targets, per_client
 
@@ -81,7 +82,8 @@ class Toy:
 
     def norm_ratios(self) -> list[float]:
         """‖τ^t‖ / ‖τ*_t‖ per task."""
-        return [float(v.flatten().norm() / self.targets[t].flatten().norm()) for v, t in zip(self.task_vectors(), TASKS)]
+        return [float(v.flatten().norm() / self.targets[t].flatten().norm())
+                for v, t in zip(self.task_vectors(), TASKS)]
 
     def fit_errors(self) -> list[float]:
         """‖(task_parameters − θ_p) − reachable‖ / ‖reachable‖ per task, over the shared keys."""

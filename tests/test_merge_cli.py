@@ -93,7 +93,8 @@ def loaded(folder):
     ("ties", ["--density", "0.3", "--majority-sign", "frequency", "--scope", "model"],
      lambda vs, w: merge.ties(vs, w, 0.3, "frequency", "model")),
     ("dare", ["--density", "0.6", "--seed", "3"], lambda vs, w: merge.dare_linear(vs, w, 0.6, seed=3)),
-    ("dare", ["--density", "0.6", "--seed", "3", "--dare-variant", "ties"], lambda vs, w: merge.dare_ties(vs, w, 0.6, 3)),
+    ("dare", ["--density", "0.6", "--seed", "3", "--dare-variant", "ties"],
+     lambda vs, w: merge.dare_ties(vs, w, 0.6, 3)),
 ])
 def test_merge_from_base_adapter_equals_our_operators(tmp_path, tiny_bert_dir, capsys, method, argv, operator):
     init, adapters = make_adapters(tiny_bert_dir, tmp_path)

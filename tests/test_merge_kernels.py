@@ -216,7 +216,6 @@ def test_numba_backend_refuses_what_it_cannot_do():
     assert ties(half, [1.0, 1.0], 0.5)["a"].dtype == torch.float16  # auto: the torch path
 
 
-
 @pytest.mark.parametrize("n", [3, 1000, 200_003])
 def test_radix_selection_agrees_with_numpy(n):
     """The radix selection called directly on a population split over several tensors, with zeros and ties."""

@@ -59,7 +59,8 @@ def test_server_step_keeps_the_previous_state_as_linearization_point():
     head = lambda v: TaskVector({"h": torch.tensor([v])})  # noqa: E731  (the head's own key, apart from "w")
     state = GlobalState(3, {SHARED: tv(1.0), head_name("x"): head(2.0), POINT + SHARED: tv(0.0),
                             POINT + head_name("x"): head(0.0)}, {"allocation": {}})
-    new = strategy.server_aggregate(state, [ClientUpdate(0, 4, {SHARED: tv(0.5), head_name("x"): head(1.0)}, {"x": 4}, {})])
+    new = strategy.server_aggregate(state, [ClientUpdate(0, 4, {SHARED: tv(0.5), head_name("x"): head(1.0)},
+                                                         {"x": 4}, {})])
     assert new.vectors[SHARED]["w"].item() == 1.5 and new.vectors[head_name("x")]["h"].item() == 3.0
     point = strategy.linearization_point(new, "x")  # the previous state: shared modules and the task's head
     assert set(point) == {"w", "h"} and point["w"].item() == 1.0 and point["h"].item() == 2.0
@@ -125,9 +126,11 @@ def test_run_reports_linearized_and_nonlinear_and_exports_both(ntk_run, tiny_ber
 
         # the linearized package computes the same f_lin; the stock adapter is the non-linear model
         model = load_linearized(run_dir / "linearized" / task.name, base_model=tiny_bert_dir)
-        loader = torch.utils.data.DataLoader(sim.test_data(task.name), batch_size=64, collate_fn=sim.host.inputs.collator)
+        loader = torch.utils.data.DataLoader(sim.test_data(task.name), batch_size=64,
+                                             collate_fn=sim.host.inputs.collator)
         with torch.no_grad():
-            preds = torch.cat([model(**{k: v for k, v in b.items() if k != "labels"}).logits.argmax(-1) for b in loader])
+            preds = torch.cat([model(**{k: v for k, v in b.items() if k != "labels"}).logits.argmax(-1)
+                               for b in loader])
         assert float(np.mean(preds.numpy() == np.asarray(sim.test_data(task.name)["labels"]))) == lin
         card = (run_dir / "adapters" / task.name / "README.md").read_text()
         assert "Linearized training" in card and f"accuracy {nonlin:.4f}" in card
@@ -185,7 +188,8 @@ def test_one_shot_negation_subtracts_the_recorded_task_vector(ntk_run):
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=config.fingerprint(), template=sim.initial_state())
     # the task vectors add up to the shared modules' movement since round 0
-    total = sum((state.vectors[tracked_task_vector_name(t)] for t in ("colors", "moods")), state.vectors[SHARED].zeros_like())
+    total = sum((state.vectors[tracked_task_vector_name(t)] for t in ("colors", "moods")),
+                state.vectors[SHARED].zeros_like())
     moved = state.vectors[SHARED] - sim.origin
     assert all(torch.allclose(total[k], moved[k], atol=1e-6) for k in moved)
     saved = load_file(out / "adapters" / "colors" / "adapter_model.safetensors")

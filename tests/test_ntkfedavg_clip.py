@@ -58,4 +58,5 @@ def test_paper_preset_parses():
     config = RunConfig.from_yaml(PRESETS / "ntkfedavg_clip_vit_b32_8task.yaml")
     assert config.base_model == "openai/clip-vit-base-patch32"
     assert (config.num_clients, config.zeta, config.participation, config.rounds) == (8, 0.0, 1.0, 10)
-    assert len(config.tasks) == 8 and config.strategy_config.linearize_at == "server" and config.strategy_config.track_task_vectors
+    assert (len(config.tasks) == 8 and config.strategy_config.linearize_at == "server"
+            and config.strategy_config.track_task_vectors)

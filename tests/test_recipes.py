@@ -64,7 +64,8 @@ def test_paper_preset_runs_the_image_path_on_a_tiny_vit(tiny_vit_dir, tiny_image
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["lora_r"] == 16 and results["config"]["target_modules"] == ["q_proj", "v_proj"]
     task = next(iter(results["tasks"]))
-    base = AutoModelForImageClassification.from_pretrained(tiny_vit_dir, num_labels=results["tasks"][task]["num_labels"])
+    base = AutoModelForImageClassification.from_pretrained(tiny_vit_dir,
+                                                           num_labels=results["tasks"][task]["num_labels"])
     PeftModel.from_pretrained(base, out / "adapters" / task)
     card = (out / "adapters" / task / "README.md").read_text()
     assert "pipeline_tag: image-classification" in card and "AutoModelForImageClassification" in card
@@ -99,7 +100,8 @@ def test_comparison_recipe_writes_both_tables_over_seeds(tiny_bert_dir, tiny_tas
         assert [r["config"]["seed"] for r in runs["matu"]] == [0, 1]
         assert runs["matu"][0]["config"]["output_space"] == "max"  # the recipe's shared head
         means = [r["mean_metric"] for r in runs["matu"]]
-        assert table[0]["mean"] == pytest.approx(np.mean(means)) and table[0]["mean_std"] == pytest.approx(np.std(means))
+        assert (table[0]["mean"] == pytest.approx(np.mean(means))
+                and table[0]["mean_std"] == pytest.approx(np.std(means)))
         assert table[0]["mean_compact"] == pytest.approx(np.mean([r["mean_metric_compact"] for r in runs["matu"]]))
         fedavg = table[1]
         ours = np.mean([(r["bytes_uplink"] + r["bytes_downlink"]) / r["rounds"] for r in runs["fedavg"]])
@@ -107,8 +109,10 @@ def test_comparison_recipe_writes_both_tables_over_seeds(tiny_bert_dir, tiny_tas
         # the paper's protocol: a client holding n tasks moves its shared modules n times, not once
         extra = []
         for r in runs["fedavg"]:
-            history = [json.loads(x) for x in (Path(r["config"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
-            extra.append(np.mean([sum(8 * r["shared_parameters"] * (len(r["allocation"][str(c)]) - 1) for c in h["clients"])
+            history = [json.loads(x)
+                       for x in (Path(r["config"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            extra.append(np.mean([sum(8 * r["shared_parameters"] * (len(r["allocation"][str(c)]) - 1)
+                                      for c in h["clients"])
                                   for h in history]))
         assert fedavg["paper_bytes_per_round"] == pytest.approx(ours + np.mean(extra))
         assert (fedavg["paper_bytes_per_round"] > ours) == (setting == "multi_task")
@@ -166,7 +170,8 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     rows = table["rows"]
     assert list(rows)[:2] == ["trained", "retrained"] and rows["retrained"]["distance_to_retrain"] == 0
     assert rows["f2l2 (λ=10)"]["messages"] == 0 and rows["SGA"]["messages"] == 1
-    assert rows["FedAvg + negation (1 rounds)"]["messages"] == 3 and rows["FedAvg trained"]["distance_to_retrain"] is None
+    assert (rows["FedAvg + negation (1 rounds)"]["messages"] == 3
+            and rows["FedAvg trained"]["distance_to_retrain"] is None)
     assert table["decomposition"]["lambda"] == 10
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
 

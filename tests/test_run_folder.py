@@ -19,7 +19,8 @@ from hf_fedtask.engine import run as federation
 def _argv(cfg, output_dir, rounds, *extra):
     return ["run", "--tasks", *cfg.tasks, "--base-model", cfg.base_model, "--base-model-id", cfg.base_model_id,
             "--num-clients", "4", "--rounds", str(rounds), "--batch-size", "8", "--local-steps", "3",
-            "--max-length", "16", "--min-samples", "4", "--learning-rate", "0.01", "--output-dir", str(output_dir), *extra]
+            "--max-length", "16", "--min-samples", "4", "--learning-rate", "0.01",
+            "--output-dir", str(output_dir), *extra]
 
 
 def _one_line_error(capsys, *words):

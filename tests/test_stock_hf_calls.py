@@ -30,7 +30,8 @@ from hf_fedtask.data import load_task
 
 run = sys.argv[1]
 results = json.load(open(f"{run}/results.json"))
-out = {"base_params": sum(p.numel() for p in AutoModel.from_pretrained("sentence-transformers/all-MiniLM-L6-v2").parameters())}
+out = {"base_params": sum(
+    p.numel() for p in AutoModel.from_pretrained("sentence-transformers/all-MiniLM-L6-v2").parameters())}
 for name, r in results["tasks"].items():
     adapter = f"{run}/adapters/{name}"
     config = AutoConfig.from_pretrained(adapter, subfolder="classifier")
@@ -41,8 +42,8 @@ for name, r in results["tasks"].items():
     test = load_task(name).dataset["test"]
     predicted = [p["label"] for p in classify(list(test["text"]), batch_size=64)]
     names = [config.id2label[y] for y in test["label"]]
-    out[name] = {"accuracy": float(np.mean([p == y for p, y in zip(predicted, names)])), "labels": sorted(set(predicted)),
-                 "peft_labels": peft_model.config.id2label[0]}
+    out[name] = {"accuracy": float(np.mean([p == y for p, y in zip(predicted, names)])),
+                 "labels": sorted(set(predicted)), "peft_labels": peft_model.config.id2label[0]}
 print(json.dumps(out))
 """
 
@@ -102,7 +103,8 @@ def test_stock_auto_classes_and_pipeline_in_a_fresh_offline_process(minilm_run, 
     cache = tmp_path / "hub"
     env = _offline_env(cache)
     subprocess.run([sys.executable, "-m", "hf_fedtask.cli", "cache-backbone"], env=env, check=True, capture_output=True)
-    done = subprocess.run([sys.executable, "-c", STOCK_SCRIPT, str(minilm_run)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", STOCK_SCRIPT, str(minilm_run)], env=env, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["base_params"] == 22_713_216
@@ -116,7 +118,8 @@ def test_stock_auto_classes_and_pipeline_in_a_fresh_offline_process(minilm_run, 
 def test_first_use_places_the_backbone_with_a_notice(tmp_path):
     code = ("from hf_fedtask.model.backbone import resolve_base_model, DEFAULT_BASE_MODEL;"
             "resolve_base_model(DEFAULT_BASE_MODEL); resolve_base_model(DEFAULT_BASE_MODEL)")
-    done = subprocess.run([sys.executable, "-c", code], env=_offline_env(tmp_path / "hub"), capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], env=_offline_env(tmp_path / "hub"), capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("placed the embedded sentence-transformers/all-MiniLM-L6-v2") == 1
     assert hub_cache.is_placed(tmp_path / "hub")
@@ -163,6 +166,7 @@ def test_evaluate_modules_equal_the_formulas():
         assert compute("f1_macro", y, p) == float(f1_score(y, p, average="macro"))
     assert isinstance(load_metric("accuracy"), evaluate.EvaluationModule)
     combined = evaluate.combine([load_metric("accuracy"), load_metric("f1_macro")])  # evaluate's own API over them
-    assert combined.compute(predictions=[0, 1, 1], references=[0, 1, 0]) == pytest.approx({"accuracy": 2 / 3, "f1": 2 / 3})
+    assert (combined.compute(predictions=[0, 1, 1], references=[0, 1, 0])
+            == pytest.approx({"accuracy": 2 / 3, "f1": 2 / 3}))
     with pytest.raises(ConfigError, match="unknown metric 'auc'"):
         compute("auc", [0], [0])

@@ -201,7 +201,8 @@ def test_server_aggregate_leaves_its_inputs_unchanged_and_equals_the_engine_roun
     h = hand_round
     inputs = h.aggregate_inputs()
     state_vectors, scalars = _snapshot_vectors(h.state.vectors), copy.deepcopy(h.state.scalars)
-    before = [(u.client_id, u.round, _snapshot_vectors(u.vectors), dict(u.num_samples), dict(u.metrics)) for u in inputs]
+    before = [(u.client_id, u.round, _snapshot_vectors(u.vectors), dict(u.num_samples), dict(u.metrics))
+              for u in inputs]
     new = h.fed.strategy.server_aggregate(h.state, inputs)
     _assert_vectors_equal(h.state.vectors, state_vectors)
     assert h.state.scalars == scalars and h.state.round == 1

@@ -206,7 +206,8 @@ def test_header_format_required(tmp_path, tv):
     safetensors.torch.save_file(dict(tv), path)
     with pytest.raises(TaskVectorError, match="plain.safetensors.*'format'"):
         TaskVector.load(path)
-    safetensors.torch.save_file(dict(tv), path, metadata={"format": "hf_fedtask.core.taskvector", "format_version": "2"})
+    safetensors.torch.save_file(dict(tv), path,
+                                metadata={"format": "hf_fedtask.core.taskvector", "format_version": "2"})
     with pytest.raises(TaskVectorError, match="format_version.*'2'"):
         TaskVector.load(path)
 

@@ -21,10 +21,12 @@ PRESETS = Path(__file__).resolve().parent.parent / "recipes" / "presets"
 
 def test_load_task_detects_image_columns(tiny_image_tasks_dir):
     squares, shades = (load_task(p) for p in tiny_image_tasks_dir)
-    assert (squares.name, squares.modality, squares.text_column, squares.label_column) == ("squares", "image", "image", "label")
+    assert (squares.name, squares.modality, squares.text_column, squares.label_column) == (
+        "squares", "image", "image", "label")
     assert squares.label_names == ["red", "green", "blue"] and len(squares.dataset["test"]) == 18
     # img/labels columns, string labels, no test split: detected, encoded, split 80/20 stratified
-    assert (shades.name, shades.modality, shades.text_column, shades.label_column) == ("shades", "image", "img", "labels")
+    assert (shades.name, shades.modality, shades.text_column, shades.label_column) == (
+        "shades", "image", "img", "labels")
     assert shades.label_names == ["bright", "dark"] and len(shades.dataset["test"]) == 12
     assert shades.dataset["train"][0]["img"].mode == "L"
 

@@ -16,8 +16,10 @@ def _update(seed=0):
         client_id=7,
         round=3,
         vectors={
-            "shared": TaskVector({"a.lora_A.weight": torch.randn(4, 8, generator=g), "a.lora_B.weight": torch.randn(8, 4, generator=g)}),
-            "head/t1": TaskVector({"classifier.weight": torch.randn(3, 8, generator=g), "classifier.bias": torch.zeros(3)}),
+            "shared": TaskVector({"a.lora_A.weight": torch.randn(4, 8, generator=g),
+                                  "a.lora_B.weight": torch.randn(8, 4, generator=g)}),
+            "head/t1": TaskVector({"classifier.weight": torch.randn(3, 8, generator=g),
+                                   "classifier.bias": torch.zeros(3)}),
         },
         num_samples={"t1": 40},
         metrics={"t1/train_loss": 0.5},

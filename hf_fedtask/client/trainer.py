@@ -166,6 +166,6 @@ class LocalTrainer:
         lr_sum = _LearningRateSum()
         trainer.add_callback(lr_sum)
         out = trainer.train()
-        metrics = {"train_loss": float(out.training_loss), "train_steps": int(out.global_step), "train_samples": len(data),
-                   "lr_sum": lr_sum.total}
+        metrics = {"train_loss": float(out.training_loss), "train_steps": int(out.global_step),
+                   "train_samples": len(data), "lr_sum": lr_sum.total}
         return self.host.state(), metrics

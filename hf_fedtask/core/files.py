@@ -99,7 +99,8 @@ def folder_lock(folder: str | os.PathLike, what: str = "run folder") -> Iterator
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
-            raise OutputDirError(f"{folder}: the {what} is in use by {holder}; wait for it or use another folder") from None
+            raise OutputDirError(f"{folder}: the {what} is in use by {holder}; "
+                                 "wait for it or use another folder") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} ({' '.join(sys.argv)[:200]})".encode(), 0)
         yield folder

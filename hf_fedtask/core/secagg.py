@@ -158,7 +158,8 @@ def _valid_public_key(y: int) -> bool:
 
 def _check_public_key(y: Any, owner: str) -> int:
     if isinstance(y, bool) or not isinstance(y, int) or not _valid_public_key(y):
-        raise SecAggError(f"{owner}: invalid Diffie-Hellman public key (not an element of the RFC 3526 group 14 subgroup)")
+        raise SecAggError(f"{owner}: invalid Diffie-Hellman public key "
+                          "(not an element of the RFC 3526 group 14 subgroup)")
     return y
 
 
@@ -294,7 +295,8 @@ class SecAggServer:
         self.round = _check_id(round, "round")
         self.scale = _check_scale(scale)
         self._shapes = {k: _shape(v) for k, v in template.items()}
-        self._sum: dict[str, torch.Tensor] | None = {k: torch.zeros(s, dtype=torch.int64) for k, s in self._shapes.items()}
+        self._sum: dict[str, torch.Tensor] | None = {k: torch.zeros(s, dtype=torch.int64)
+                                                     for k, s in self._shapes.items()}
         self._public_keys: dict[int, int] = {}
         self._received: set[int] = set()
         self._dropped: frozenset[int] | None = None  # set when uploads close at finish()

@@ -159,7 +159,8 @@ class GlobalState:
 
     def next(self, vectors: dict[str, TaskVector], **scalars) -> GlobalState:
         """The state of the following round: `vectors` replace this state's of the same name; `scalars` update."""
-        return GlobalState(round=self.round + 1, vectors={**self.vectors, **vectors}, scalars={**self.scalars, **scalars})
+        return GlobalState(round=self.round + 1, vectors={**self.vectors, **vectors},
+                           scalars={**self.scalars, **scalars})
 
 
 ClientStore = dict[str, TaskVector]

@@ -202,7 +202,8 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
         specs = {k: template_spec(v) for k, v in template.items()}
         sizes = [math.prod(shape) for shape, _ in specs.values()]
         if flat.dim() != 1 or flat.numel() != sum(sizes):
-            raise ValueError(f"flat tensor of shape {tuple(flat.shape)} does not match the template's {sum(sizes)} elements")
+            raise ValueError(f"flat tensor of shape {tuple(flat.shape)} does not match the template's "
+                             f"{sum(sizes)} elements")
         pieces = torch.split(flat, sizes)
         return cls(
             {

@@ -190,10 +190,13 @@ def validate(
     ``template`` (key -> tensor, or key -> shape) and the header values in ``expect``."""
     header = tv.raw_metadata
     if header.get("format") != FORMAT:
-        raise TaskVectorError(f"{source}: not a task vector: header 'format' is {header.get('format')!r}, expected {FORMAT!r}")
+        raise TaskVectorError(
+            f"{source}: not a task vector: header 'format' is {header.get('format')!r}, expected {FORMAT!r}"
+        )
     if header.get("format_version") != FORMAT_VERSION:
         raise TaskVectorError(
-            f"{source}: unsupported header 'format_version' {header.get('format_version')!r}, expected {FORMAT_VERSION!r}"
+            f"{source}: unsupported header 'format_version' {header.get('format_version')!r}, "
+            f"expected {FORMAT_VERSION!r}"
         )
     try:
         decode_metadata(header)

@@ -70,7 +70,8 @@ class ClientUpdate:
         return flat.to_bytes(metadata=meta)
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, templates: dict[str, TaskVector], expect: dict[str, str], source: str) -> ClientUpdate:
+    def from_bytes(cls, data: bytes, *, templates: dict[str, TaskVector], expect: dict[str, str],
+                   source: str) -> ClientUpdate:
         """Parse and validate: keys, shapes, dtypes and finiteness against `templates`, header fields
         against `expect`. Raises `TaskVectorError` naming `source` and the offending key."""
         flat = TaskVector.from_bytes(data, source=source, template=pack_vectors(templates), expect=expect)

@@ -103,7 +103,8 @@ def _pick_input(ref: str, features: Features, explicit: str | None) -> str:
     images = [c for c, f in features.items() if isinstance(f, Image)]
     if explicit is None and images:
         return next((c for c in IMAGE_COLUMNS if c in images), images[0])
-    return _pick_column(ref, list(features), explicit, TEXT_COLUMNS, "input", flag="text", looked_for="an Image column, ")
+    return _pick_column(ref, list(features), explicit, TEXT_COLUMNS, "input", flag="text",
+                        looked_for="an Image column, ")
 
 
 def _pick_column(ref: str, columns: list[str], explicit: str | None, candidates: tuple[str, ...], what: str, *,

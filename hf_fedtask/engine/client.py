@@ -63,7 +63,8 @@ class ClientRuntime:
 
     def _evaluate(self, params: TaskVector, task: str) -> dict:
         t = self.env.task_by_name[task]
-        return evaluate(self.env.host, self.env.task_view(params, task), self.env.test_data(task), t.metric, self.env.config.eval_batch_size)
+        return evaluate(self.env.host, self.env.task_view(params, task), self.env.test_data(task), t.metric,
+                        self.env.config.eval_batch_size)
 
     def _secagg(self) -> SecAggClient:
         return SecAggClient(self.client_id, seed=self.secagg_secret)

@@ -36,7 +36,8 @@ from hf_fedtask.model.device import Launch, hide_launch_from_trainers, launch
 
 ACK_WAIT = timedelta(seconds=60)  # for the other ranks to read the end of a run
 WAIT = timedelta(days=30)  # a rank waits as long as rank 0 evaluates or exports; the launcher ends it if rank 0 dies
-_sessions = count()  # each run in this process (a recipe may run several) gets its own keys, in the same order on every rank
+# each run in this process (a recipe may run several) gets its own keys, in the same order on every rank
+_sessions = count()
 _store = None
 
 
@@ -153,15 +154,16 @@ class RankTransport(InProcessTransport):
         return range(1, self.here.world_size)
 
     def exchange(self, instructions: list[Instruction]) -> dict[int, bytes]:
-        sizes = {i: sum(len(d) for d in self.env.partition[ins.client_id].values()) for i, ins in enumerate(instructions)}
+        sizes = {i: sum(len(d) for d in self.env.partition[ins.client_id].values())
+                 for i, ins in enumerate(instructions)}
         shares = balance(sizes, self.here.world_size)
         seq = next(self._seq)
         for rank in self._others():
             items = [instructions[i] for i in shares[rank]]
             blobs = [b for ins in items for b in (ins.payload, _store_bytes(self._stores.get(ins.client_id, {})))]
             self._send(rank, seq, {"op": "exchange", "items": [
-                {"kind": ins.kind, "round": ins.round, "client_id": ins.client_id, "config": ins.config} for ins in items]},
-                blobs)
+                {"kind": ins.kind, "round": ins.round, "client_id": ins.client_id, "config": ins.config}
+                for ins in items]}, blobs)
         replies = super().exchange([instructions[i] for i in shares[0]])
         for rank in self._others():
             header, blobs = self._receive(rank, seq)

@@ -82,8 +82,9 @@ def run(
     here = launch()
     if here.multi_process:
         if engine is not in_process:
-            raise ConfigError(f"this process is rank {here.rank} of a {here.world_size}-process launch: only the in-process "
-                              "engine spreads its clients over ranks; start the Flower engines in one process")
+            raise ConfigError(f"this process is rank {here.rank} of a {here.world_size}-process launch: only the "
+                              "in-process engine spreads its clients over ranks; "
+                              "start the Flower engines in one process")
         rank_store()  # join the launch's store; from here on Trainers see a single process
         if here.rank != 0:
             return serve(config)  # this rank trains the clients rank 0 sends it; rank 0 writes the run folder
@@ -135,7 +136,8 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
     try:
         if config.export and env.strategy.capabilities.personal_state and transport.stores is None:
             raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients, which the "
-                              f"{transport.name} engine does not hold: nothing per task can be exported; pass --no-export")
+                              f"{transport.name} engine does not hold: nothing per task can be exported; "
+                              "pass --no-export")
         if state.round > 0 and env.strategy.capabilities.personal_state and transport.stores is None:
             raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients; the "
                               f"{transport.name} engine keeps them on its nodes for one run only, so it cannot "

@@ -43,7 +43,8 @@ def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Pat
         raise OutputDirError(f"{run_dir}: exists and is not a directory; choose another --output-dir")
     if _holds_something(run_dir) and not overwrite:
         if not saved.exists():
-            raise OutputDirError(f"{run_dir}: output dir is not empty and holds no hf_fedtask run; choose another --output-dir")
+            raise OutputDirError(f"{run_dir}: output dir is not empty and holds no hf_fedtask run; "
+                                 "choose another --output-dir")
         previous = load_run_config(run_dir)
         if previous.fingerprint() != config.fingerprint():
             mine, theirs = config.flat(), previous.flat()
@@ -54,7 +55,8 @@ def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Pat
                 "choose another --output-dir or pass --overwrite"
             )
         if not resume:
-            raise OutputDirError(f"{run_dir}: already holds this run; pass --resume to continue it or --overwrite to restart")
+            raise OutputDirError(f"{run_dir}: already holds this run; "
+                                 "pass --resume to continue it or --overwrite to restart")
     elif resume and not (run_dir / CHECKPOINT_FILE).exists():
         raise OutputDirError(f"{run_dir}: nothing to resume (no {CHECKPOINT_FILE})")
     return run_dir
@@ -116,7 +118,8 @@ def open_finished_run(run_dir: str | Path, tasks: list[TaskInfo] | None = None) 
     the run's tasks without their data (`results.task_infos(results)`), for work that needs no data."""
     run_dir = Path(run_dir)
     if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run (needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
+        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run "
+                             f"(needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
     config = load_run_config(run_dir)
     env = Environment(config, tasks=tasks)
     state, history, stores = restore(env, run_dir, config.fingerprint(), allocation=checkpoint_allocation(run_dir))

@@ -27,7 +27,8 @@ class SecureAggregation:
     def __init__(self, layout: dict[str, TaskVector], round_: int, header: dict):
         self.round = round_
         self.header = header
-        self.template = TaskVector({k: torch.zeros(t.shape, dtype=torch.int64) for k, t in pack_vectors(layout).items()})
+        self.template = TaskVector({k: torch.zeros(t.shape, dtype=torch.int64)
+                                    for k, t in pack_vectors(layout).items()})
         self.server = SecAggServer(self.template, round_)
 
     def register(self, client_id: int, reply: bytes) -> None:

@@ -68,9 +68,9 @@ class Server:
                 raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
                                   f"takes {env.host.inputs.modality}")
         if self.config.mixed_precision != "no" and self.strategy.capabilities.linearized:
-            raise ConfigError(f"mixed_precision {self.config.mixed_precision}: strategy {self.strategy.name!r} trains a "
-                              "linearized model through forward-mode AD (torch.func.jvp), which autocast does not run; "
-                              "use --mixed-precision no")
+            raise ConfigError(f"mixed_precision {self.config.mixed_precision}: strategy {self.strategy.name!r} "
+                              "trains a linearized model through forward-mode AD (torch.func.jvp), which autocast "
+                              "does not run; use --mixed-precision no")
         env.partition  # noqa: B018  (too few samples per client fails here)
         env.initial  # noqa: B018  (a strategy that cannot lay out its state fails here)
         if self.strategy.capabilities.secure_aggregation and self.clients_per_round < 2:
@@ -124,7 +124,8 @@ class Server:
                 secure.receive(c, replies[c])
                 numel = secure.template.numel()
             else:
-                update = ClientUpdate.from_bytes(replies[c], templates=strategy.update_templates(state, c, allocation[c]),
+                update = ClientUpdate.from_bytes(replies[c],
+                                                 templates=strategy.update_templates(state, c, allocation[c]),
                                                  expect=header, source=f"client {c} (round {round_})")
                 updates.append(update)
                 numel = sum(tv.numel() for tv in update.vectors.values())
@@ -212,8 +213,8 @@ class Server:
         out = {}
         for name in names:
             t = self.env.task_by_name[name]
-            out[t.name] = score(self.predict(state, t.name, self.env.test_data(t.name), stores), self.env.test_data(t.name),
-                                t.metric)
+            out[t.name] = score(self.predict(state, t.name, self.env.test_data(t.name), stores),
+                                self.env.test_data(t.name), t.metric)
             if self.strategy.capabilities.linearized:
                 preds = self.predict(state, t.name, self.env.test_data(t.name), stores, nonlinear=True)
                 out[t.name][f"{t.metric}_nonlinear"] = score(preds, self.env.test_data(t.name), t.metric)[t.metric]
@@ -230,7 +231,8 @@ class Server:
             return {}
         host, batch, view = self.env.host, self.config.eval_batch_size, self.env.task_view
         return {t.name: score(predict(host, view(self.strategy.compact_task_parameters(state, t.name), t.name),
-                                      self.env.test_data(t.name), batch), self.env.test_data(t.name), t.metric)[t.metric]
+                                      self.env.test_data(t.name), batch),
+                              self.env.test_data(t.name), t.metric)[t.metric]
                 for t in self.env.tasks}
 
     def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,
@@ -247,14 +249,16 @@ class Server:
         if nonlinear or not strategy.capabilities.linearized:
             return predict(host, params, data, batch)
         point = strategy.linearization_point(state, task)  # None: a phase without one (the ordinary model)
-        return predict(host, params, data, batch, linearize_at=None if point is None else self.env.task_view(point, task),
+        return predict(host, params, data, batch,
+                       linearize_at=None if point is None else self.env.task_view(point, task),
                        linearization=strategy.linearization)
 
     def _evaluate_on_clients(self, state: GlobalState, transport: Transport) -> dict[str, dict]:
         """Every holder evaluates its own model of each of its tasks on the task's test split; a task's
         metric is the mean over its holders (`clients`: how many)."""
         allocation, header = state.allocation, self.env.header()
-        instructions = [Instruction(EVALUATE, state.round, c, pack_vectors(self.strategy.downlink(state, c, tasks)).to_bytes(),
+        instructions = [Instruction(EVALUATE, state.round, c,
+                                    pack_vectors(self.strategy.downlink(state, c, tasks)).to_bytes(),
                                     {"tasks": tasks}) for c, tasks in sorted(allocation.items())]
         replies = transport.exchange(instructions)
         per_task: dict[str, list[dict]] = {t.name: [] for t in self.env.tasks}

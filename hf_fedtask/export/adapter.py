@@ -134,7 +134,8 @@ def read_adapter_folder(folder: str | os.PathLike, error: type[Exception] = Conf
     if not path.is_dir():
         raise error(f"{path}: no such adapter folder")
     config = read_adapter_config(path / CONFIG_NAME, error)
-    tensors = read_adapter_weights(path / SAFETENSORS_WEIGHTS_NAME, error if error is not ConfigError else TaskVectorError)
+    tensors = read_adapter_weights(path / SAFETENSORS_WEIGHTS_NAME,
+                                   error if error is not ConfigError else TaskVectorError)
     return config, tensors
 
 

@@ -154,7 +154,8 @@ def unlearning_note(results: dict) -> str | None:
                f"{len(u['clients'])} client(s) ({', '.join(map(str, u['clients']))}) were negated before "
                "aggregation (NTKFedAvg Alg. 1, lines 8–9)")
     else:
-        how = f"its accumulated task vector, scaled by {u['scale']}, was subtracted from the merged model (task arithmetic)"
+        how = (f"its accumulated task vector, scaled by {u['scale']}, was subtracted from the merged model "
+               "(task arithmetic)")
     after = f" Before → after: {change}." if change else ""
     return f"**Unlearned {forgotten_what(u, quote='`')}**: {how}.{after}"
 
@@ -166,7 +167,8 @@ def linearization_note(results: dict, task: str) -> str | None:
     if f"{metric}_nonlinear" not in r:
         return None
     return (f"**Linearized training.** The clients trained the linearization f(θ_lin) + J(θ_lin)·(θ − θ_lin). "
-            f"This folder holds the final θ as an ordinary (non-linear) adapter: {metric} {r[f'{metric}_nonlinear']:.4f}. "
+            f"This folder holds the final θ as an ordinary (non-linear) adapter: {metric} "
+            f"{r[f'{metric}_nonlinear']:.4f}. "
             f"The linearized model itself ({metric} {r[metric]:.4f}) is exported as `linearized/{task}/` of the run "
             "(θ_lin adapter + delta; load it with `hf_fedtask.load_linearized`).")
 
@@ -175,7 +177,8 @@ def _multi_adapter_card(spec: RunExport, results: dict, metrics: dict) -> str:
     first = spec.tasks[0].name
     width = max(t.num_labels for t in spec.tasks)
     snippet = (f"```python\nmodel = PeftModel.from_pretrained(base, \"<this folder>\", adapter_name=\"{first}\")  "
-               f"# base with num_labels={width}\nmodel.load_adapter(\"<this folder>/<task>\", adapter_name=\"<task>\")\n"
+               f"# base with num_labels={width}\n"
+               "model.load_adapter(\"<this folder>/<task>\", adapter_name=\"<task>\")\n"
                "model.set_adapter(\"<task>\")\n```")
     info = {
         "base_model": spec.base_model_id,
@@ -206,7 +209,8 @@ def _compact_card(spec: RunExport, results: dict) -> str:
                      for name, r in results["tasks"].items())
     return (f"# {spec.strategy.name} compact export of {len(spec.tasks)} tasks\n\n"
             f"Base model `{spec.base_model_id}`. Task t's adapter is θ_p + λ_t·(m_t ⊙ τ) plus its head:\n\n"
-            "```python\nfrom hf_fedtask import load_task_adapter\nmodel = load_task_adapter(\"<this folder>\", \"<task>\")\n```\n\n"
+            "```python\nfrom hf_fedtask import load_task_adapter\n"
+            "model = load_task_adapter(\"<this folder>\", \"<task>\")\n```\n\n"
             f"Total communication during training: {results['bytes_uplink'] + results['bytes_downlink']} bytes.\n\n"
             f"| task | metric (this compact form) | metric (the task's own adapter) |\n|---|---|---|\n{rows}\n")
 

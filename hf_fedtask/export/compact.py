@@ -89,7 +89,8 @@ def save_compact(
     compact export is only replaced with `overwrite=True` (else OutputDirError). Bad arguments
     raise ValueError."""
     tasks = list(masks)
-    num_labels = _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names or {}, head_rows, head_keys)
+    num_labels = _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names or {}, head_rows,
+                                  head_keys)
     out = Path(folder).absolute()
     if out.is_dir() and any(out.iterdir()) and not is_compact(out) and not overwrite:
         raise OutputDirError(f"{out} is not empty and not a compact export; pass overwrite=True to replace it")
@@ -98,7 +99,8 @@ def save_compact(
         config.base_model_name_or_path = base_model_id
         config.inference_mode = True  # what PeftModel.save_pretrained records
         config.save_pretrained(str(staging))
-        header = {"base_model": base_model_id, "peft_config_hash": peft_config_hash(config), "task_ids": json.dumps(tasks)}
+        header = {"base_model": base_model_id, "peft_config_hash": peft_config_hash(config),
+                  "task_ids": json.dumps(tasks)}
         TaskVector(init).save(staging / INIT_FILE, {**header, "kind": "absolute", "content": "init"})
         TaskVector(unified).save(staging / UNIFIED_FILE, {**header, "kind": "delta", "content": "unified"})
         keys = list(init)
@@ -114,7 +116,8 @@ def save_compact(
                  "label_names": list(label_names[t]) if label_names and t in label_names else None,
                  **({"head_rows": list(head_rows[t])} if head_rows else {})} for t in tasks]
         (staging / TASKS_FILE).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "tasks": info,
-                                                      **({"head_keys": list(head_keys)} if head_rows else {})}, indent=2))
+                                                      **({"head_keys": list(head_keys)} if head_rows else {})},
+                                                     indent=2))
         if card is not None:
             (staging / CARD_FILE).write_text(str(card), encoding="utf-8")
         if task_folders:
@@ -184,7 +187,8 @@ def _check_like(ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tenso
         raise ValueError(f"{what} has keys {sorted(set(other) ^ set(ref))[:3]} that init lacks or the reverse")
     for k, v in ref.items():
         if other[k].shape != v.shape or (dtype and other[k].dtype != v.dtype):
-            raise ValueError(f"{what}: key {k!r} is {other[k].dtype}{tuple(other[k].shape)}, init has {v.dtype}{tuple(v.shape)}")
+            raise ValueError(f"{what}: key {k!r} is {other[k].dtype}{tuple(other[k].shape)}, "
+                             f"init has {v.dtype}{tuple(v.shape)}")
 
 
 def is_compact(folder: str | os.PathLike) -> bool:
@@ -203,7 +207,8 @@ class _CompactFolder:
         if not (self.folder / TASKS_FILE).is_file():
             raise ConfigError(f"{self.folder}: not a compact export (no {TASKS_FILE})")
         info = _read_json(self.folder / TASKS_FILE)
-        header = (info.get("format"), info.get("format_version"), type(info.get("tasks"))) if isinstance(info, dict) else ()
+        header = ((info.get("format"), info.get("format_version"), type(info.get("tasks")))
+                  if isinstance(info, dict) else ())
         if header != (FORMAT, FORMAT_VERSION, list):
             raise TaskVectorError(f"{self.folder / TASKS_FILE}: not a {FORMAT} v{FORMAT_VERSION} task list")
         self.tasks = {}
@@ -256,7 +261,8 @@ class _CompactFolder:
         total = sum(math.prod(shape) for _, shape in self.mask_layout)
         packed = self.masks.get(task)
         if packed is None or packed.dtype != torch.uint8 or packed.shape != (packed_size(total),):
-            found = "missing" if packed is None else f"{str(packed.dtype).removeprefix('torch.')} of shape {tuple(packed.shape)}"
+            found = ("missing" if packed is None
+                     else f"{str(packed.dtype).removeprefix('torch.')} of shape {tuple(packed.shape)}")
             raise TaskVectorError(f"{source}: key {task!r} is {found}, expected uint8 of shape ({packed_size(total)},)")
         lam = self.rescalers.get(task)
         if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
@@ -272,7 +278,8 @@ class _CompactFolder:
         if rows is not None:  # a shared head: its keys are among the shared ones; the task's rows of it
             missing = [k for k in self.head_keys if k not in state] or ([] if self.head_keys else ["head_keys"])
             if missing:
-                raise TaskVectorError(f"{self.folder / TASKS_FILE}: shared head key {missing[0]!r} is not in {INIT_FILE}")
+                raise TaskVectorError(f"{self.folder / TASKS_FILE}: shared head key {missing[0]!r} "
+                                      f"is not in {INIT_FILE}")
             return TaskVector({k: v[rows[0]:rows[1]] if k in self.head_keys else v for k, v in state.items()})
         prefix = f"{task}{_HEAD_SEP}"
         head = {k[len(prefix):]: v for k, v in self.heads.items() if k.startswith(prefix)}
@@ -320,7 +327,8 @@ def load_task_adapter(folder: str | os.PathLike, task: str, base_model: str | No
         try:
             peft_model = PeftModel.from_pretrained(model, tmp)
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise FedTaskError(f"{folder}: task {task!r} does not load onto {name} ({str(exc).splitlines()[0]})") from None
+            raise FedTaskError(f"{folder}: task {task!r} does not load onto {name} "
+                               f"({str(exc).splitlines()[0]})") from None
     return peft_model.eval()
 
 

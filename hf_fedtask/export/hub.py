@@ -143,7 +143,8 @@ def _card_context(info: Mapping) -> dict:
     method = f"{peft_method} adapter" if peft_method else "PEFT adapter"
     summary = (
         f"A {method} for [`{info['base_model']}`](https://huggingface.co/{info['base_model']}) "
-        f"that classifies {'images' if modality == 'image' else 'text'} into {num_labels} classes for the task{'s' if len(tasks) > 1 else ''} "
+        f"that classifies {'images' if modality == 'image' else 'text'} into {num_labels} classes "
+        f"for the task{'s' if len(tasks) > 1 else ''} "
         f"{', '.join(f'`{t}`' for t in tasks)}. It was trained by federated fine-tuning with "
         f"`hf_fedtask`{f' using the **{strategy}** strategy' if strategy else ''}: clients train the "
         "adapter on their private data and only the adapter weights travel to the server."
@@ -232,5 +233,6 @@ def push_to_hub(
             raise
         cause = " ".join(str(inner).split()) or "no details"
         where = f"{' '.join(str(err).split())} " if inner is not err else ""
-        raise HubError(f"push of {path} to {repo_id!r} at {endpoint} failed: {where}{type(inner).__name__}: {cause}") from err
+        raise HubError(f"push of {path} to {repo_id!r} at {endpoint} failed: "
+                       f"{where}{type(inner).__name__}: {cause}") from err
     return commit.commit_url

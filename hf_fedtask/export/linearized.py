@@ -53,7 +53,8 @@ def save_linearized(
     with staged_folder(out) as staging:
         save_adapter(staging / POINT_DIR, peft_config=peft_config, state_dict=point, base_model_id=base_model_id)
         TaskVector(dict(delta)).save(staging / DELTA_FILE)
-        (staging / INFO_FILE).write_text(json.dumps({"mode": mode, "num_labels": num_labels, **(info or {})}, indent=2) + "\n")
+        (staging / INFO_FILE).write_text(
+            json.dumps({"mode": mode, "num_labels": num_labels, **(info or {})}, indent=2) + "\n")
         if card is not None:
             (staging / "README.md").write_text(card, encoding="utf-8")
     return out

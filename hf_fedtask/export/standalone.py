@@ -32,7 +32,8 @@ def _load_adapter(adapter_dir: str | Path, max_length: int = 32):
     config, tensors = read_adapter_folder(adapter_dir)
     head = [k for k in tensors if k.endswith(("classifier.weight", "score.weight"))]
     if not head:
-        raise ConfigError(f"{adapter_dir / 'adapter_model.safetensors'}: no classification head (classifier.weight) in the adapter")
+        raise ConfigError(f"{adapter_dir / 'adapter_model.safetensors'}: no classification head "
+                          "(classifier.weight) in the adapter")
     base_id = config["base_model_name_or_path"]
     ref, base = load_adapter_base(base_id, tensors[head[0]].shape[0], adapter_dir)
     labels = _label_names(adapter_dir)
@@ -67,7 +68,8 @@ def evaluate_adapter(adapter_dir: str | Path, task: str, *, split: str = "test",
     if split not in t.dataset:
         raise ConfigError(f"task {t.name!r} has no split {split!r}")
     if t.modality != inputs.modality:
-        raise ConfigError(f"task {t.name!r} has {t.modality} inputs but the adapter's base model takes {inputs.modality}")
+        raise ConfigError(f"task {t.name!r} has {t.modality} inputs but the adapter's base model takes "
+                          f"{inputs.modality}")
     data = t.dataset[split]
     device = model_device(model)
     preds = [model(**to_device(inputs.batch(batch[t.text_column]), device)).logits.argmax(-1).cpu()

@@ -20,7 +20,8 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge.ties import check_compatible, elect_and_merge
 
 
-def random_prune(tensor: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
+def random_prune(tensor: torch.Tensor, density: float, generator: torch.Generator,
+                 rescale: bool = True) -> torch.Tensor:
     """Keep each entry with probability `density` (Bernoulli), divided by `density` if `rescale`. The
     mask is drawn on the generator's device and moved to the tensor's."""
     if not 0 < density <= 1:

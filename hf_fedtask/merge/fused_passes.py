@@ -226,7 +226,8 @@ def add_scaled(plan: Plan, w: float, acc: Mapping[str, torch.Tensor]) -> None:
 def divide(plan: Plan, acc: Mapping[str, torch.Tensor], total: float, out: Mapping[str, torch.Tensor]) -> None:
     """out[key] = float32(acc[key] / total) over the keys of `plan` (flat tensors)."""
     with torch_threads():
-        _divide_kernel(Plan.pointers([acc[k] for k in plan.keys]), float(total), Plan.pointers([out[k] for k in plan.keys]),
+        _divide_kernel(Plan.pointers([acc[k] for k in plan.keys]), float(total),
+                       Plan.pointers([out[k] for k in plan.keys]),
                        plan.piece_key, plan.piece_start, plan.piece_stop, plan.block)
 
 

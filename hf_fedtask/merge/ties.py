@@ -145,7 +145,8 @@ def _merge_tied_entries(flats: list[dict[str, torch.Tensor]], cuts: list[dict[st
         for row, cut in zip(rows, cuts):
             c = cut[key]
             if c.lambd is not None:
-                keep = torch.isin(positions, c.ties) if c.ties is not None else torch.zeros_like(positions, dtype=torch.bool)
+                keep = (torch.isin(positions, c.ties) if c.ties is not None
+                        else torch.zeros_like(positions, dtype=torch.bool))
                 row.copy_(torch.where(keep, row, torch.hardshrink(row, c.lambd)))
         out[key][positions] = _merge_chunk(rows, torch.empty_like(rows), weights, method)
 

@@ -32,4 +32,5 @@ class Accuracy(evaluate.Metric):
         )
 
     def _compute(self, predictions, references, normalize=True, sample_weight=None):
-        return {"accuracy": float(accuracy_score(references, predictions, normalize=normalize, sample_weight=sample_weight))}
+        return {"accuracy": float(accuracy_score(references, predictions, normalize=normalize,
+                                                 sample_weight=sample_weight))}

@@ -66,7 +66,8 @@ def embedded_default_path() -> Path:
     weights = path / "model.safetensors"
     found = file_sha256(weights)
     if found != DEFAULT_WEIGHTS_SHA256:
-        raise ConfigError(f"{weights}: SHA-256 {found} does not match upstream {DEFAULT_BASE_MODEL} ({DEFAULT_WEIGHTS_SHA256})")
+        raise ConfigError(f"{weights}: SHA-256 {found} does not match upstream {DEFAULT_BASE_MODEL} "
+                          f"({DEFAULT_WEIGHTS_SHA256})")
     return path
 
 
@@ -108,7 +109,8 @@ class TextInputs:
 
     modality = "text"
     auto_model = "AutoModelForSequenceClassification"
-    peft_head: ClassVar[dict] = {"task_type": "SEQ_CLS"}  # PEFT then adds the head (classifier/score) to modules_to_save
+    # PEFT then adds the head (classifier/score) to modules_to_save
+    peft_head: ClassVar[dict] = {"task_type": "SEQ_CLS"}
 
     def __init__(self, processor, max_length: int = 32):
         from transformers import DataCollatorWithPadding

@@ -71,8 +71,8 @@ def hide_launch_from_trainers() -> None:
 def resolve_device(spec: str = "auto") -> torch.device:
     """`auto`: under a multi-process launch this rank's GPU (`cuda:LOCAL_RANK`) or the CPU; else
     Accelerate's own choice (`PartialState().device`: the GPU when one is visible, the CPU under
-    `accelerate launch --cpu`). `cpu`, `cuda` (the current CUDA device; this rank's under a launch) or `cuda:N` as given, refused
-    with one line when that device does not exist."""
+    `accelerate launch --cpu`). `cpu`, `cuda` (the current CUDA device; this rank's under a launch) or
+    `cuda:N` as given, refused with one line when that device does not exist."""
     if spec == "cpu":
         return torch.device("cpu")
     if spec == "auto":

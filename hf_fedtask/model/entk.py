@@ -225,7 +225,8 @@ def _gather(grads: dict[str, torch.Tensor], names: list[tuple[str, str]], offset
     return out
 
 
-def per_sample_loop(host: PeftHost, state: TaskVector, data: Dataset, index: torch.Tensor, *, output: int = 0) -> torch.Tensor:
+def per_sample_loop(host: PeftHost, state: TaskVector, data: Dataset, index: torch.Tensor, *,
+                    output: int = 0) -> torch.Tensor:
     """The same features by one backward pass per sample (TCT's official code): the reference."""
     with host.loaded(state) as model:
         device = model_device(model)

@@ -77,7 +77,8 @@ class PeftHost:
             classifier = load_classifier(base, 2, attn_implementation, quantization=quantization, device=device)
             self.model = get_peft_model(classifier, peft_config)
         except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
-            raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model ({str(e).splitlines()[0]})") from e
+            raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model "
+                              f"({str(e).splitlines()[0]})") from e
         if quantization is None:
             self.model.to(device)  # a quantized base was loaded onto the device; its PEFT layers follow it
         self._heads = [m for name, m in self.model.named_modules()

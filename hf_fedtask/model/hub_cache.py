@@ -113,7 +113,8 @@ def place_embedded_backbone(cache_dir: str | os.PathLike | None = None) -> Place
     for name, expected in PINNED_FILES.items():
         found = file_sha256(source / name) if (source / name).is_file() else "missing"
         if found != expected:
-            raise ConfigError(f"{source / name}: SHA-256 {found} is not the pinned {expected}; not placing it in the Hub cache")
+            raise ConfigError(f"{source / name}: SHA-256 {found} is not the pinned {expected}; "
+                              "not placing it in the Hub cache")
     snap = snapshot_dir(cache_dir)
     repo = snap.parents[1]
     added = []
@@ -134,7 +135,8 @@ def place_embedded_backbone(cache_dir: str | os.PathLike | None = None) -> Place
             ref.parent.mkdir(parents=True, exist_ok=True)
             ref.write_text(UPSTREAM_REVISION)
     except OSError as exc:
-        raise ConfigError(f"{repo}: cannot place the embedded backbone in the Hub cache ({exc.strerror or exc})") from None
+        raise ConfigError(f"{repo}: cannot place the embedded backbone in the Hub cache "
+                          f"({exc.strerror or exc})") from None
     return Placement(snap, tuple(added), ref_written)
 
 

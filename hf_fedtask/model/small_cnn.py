@@ -96,7 +96,8 @@ class SmallCNNForImageClassification(PreTrainedModel):
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> ImageClassifierOutput:
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None,
+                **kwargs) -> ImageClassifierOutput:
         logits = self.classifier(self.cnn(pixel_values))
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return ImageClassifierOutput(loss=loss, logits=logits)

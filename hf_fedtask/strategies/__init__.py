@@ -38,9 +38,11 @@ from hf_fedtask.strategies.scaffold import Scaffold, ScaffoldConfig
 from hf_fedtask.strategies.tct import TCT, TCTConfig
 
 __all__ = [
-    "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "ClientRemoval", "CompactExport", "F2L2", "F2L2Config", "FedAvg", "FedAvgConfig", "FedPer",
+    "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "ClientRemoval", "CompactExport",
+    "F2L2", "F2L2Config", "FedAvg", "FedAvgConfig", "FedPer",
     "FedPerConfig", "FedProx", "FedProxConfig", "FedYolo", "FedYoloConfig", "GlobalState", "MaTFL", "MaTFLConfig",
-    "Linearized", "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig", "Packaging", "Scaffold",
+    "Linearized", "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig",
+    "Packaging", "Scaffold",
     "ScaffoldConfig", "Strategy", "TCT", "TCTConfig",
     "StrategyConfig", "build_strategy", "build_strategy_config", "configured_capabilities", "head_name",
     "hooks_declared", "register_strategy", "strategy_class",

@@ -141,7 +141,8 @@ class Strategy(ABC):
         if config is not None and options:
             raise TypeError("give a config or options, not both")
         if config is not None and not isinstance(config, self.config_class):
-            raise ConfigError(f"strategy {self.name!r} takes a {self.config_class.__name__}, got {type(config).__name__}")
+            raise ConfigError(f"strategy {self.name!r} takes a {self.config_class.__name__}, "
+                              f"got {type(config).__name__}")
         self.config = config if config is not None else self.config_class(**options)
 
     def __repr__(self) -> str:
@@ -177,11 +178,13 @@ class Strategy(ABC):
         checkpoints are validated against it. One layout for every round by default."""
         return initial
 
-    def task_parameters(self, state: GlobalState, task: str, stores: dict[int, ClientStore] | None = None) -> TaskVector:
+    def task_parameters(self, state: GlobalState, task: str,
+                        stores: dict[int, ClientStore] | None = None) -> TaskVector:
         """The full PEFT state (shared modules + this task's head) used to evaluate and export `task`."""
         return task_model(state.vectors, task)
 
-    def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray | None:
+    def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset,
+                batch_size: int) -> np.ndarray | None:
         """Predictions for `task` on prepared `data` when the task's model is not the host model carrying
         `task_parameters` (e.g. TCT's linear model over eNTK features); None: the host model's."""
         return None

@@ -117,7 +117,8 @@ class RemovalResult:
 @register_strategy
 class F2L2(Strategy, Linearized, ClientRemoval):
     name = "f2l2"
-    paper = "Jin, Chen, Zhang and Li, Forgettable Federated Linear Learning with Certified Data Removal, 2023 (arXiv:2306.02216)"
+    paper = ("Jin, Chen, Zhang and Li, Forgettable Federated Linear Learning with Certified Data Removal, 2023 "
+             "(arXiv:2306.02216)")
     config_class = F2L2Config
     capabilities = Capabilities(linearized=True, client_removal=True, exports=("adapters", "linearized"),
                                 personalization=False)

@@ -49,7 +49,6 @@ class FedAvgConfig(StrategyConfig):
     track_task_vectors: bool = option(False, "keep each task's accumulated vector (for one-shot negation)")
 
 
-
 @register_strategy
 class FedAvg(Strategy):
     name = "fedavg"
@@ -89,7 +88,8 @@ def delta_update(downlink: dict[str, TaskVector], job: ClientJob, trainer: Local
     return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
 
 
-def negate_forgotten(updates: list[ClientUpdate], tasks: Iterable[str], clients: Iterable[int] = ()) -> list[ClientUpdate]:
+def negate_forgotten(updates: list[ClientUpdate], tasks: Iterable[str],
+                     clients: Iterable[int] = ()) -> list[ClientUpdate]:
     """Unlearning by negation: every vector of a client holding a task in `tasks`, or listed in
     `clients`, flips sign, so aggregation moves the model away from what its training would add."""
     tasks, clients = set(tasks), set(clients)
@@ -113,7 +113,8 @@ def accumulate_task_vectors(state: GlobalState, updates: list[ClientUpdate], ser
 
 
 def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer,
-                        options: Callable[[str], dict] = lambda task: {}) -> tuple[TaskVector, dict[str, TaskVector], dict]:
+                        options: Callable[[str], dict] = lambda task: {}
+                        ) -> tuple[TaskVector, dict[str, TaskVector], dict]:
     """One model for all of a client's tasks: train each task (in name order) starting from the
     shared modules the previous task left and the task's own head (`options(task)`: extra
     `trainer.train` arguments). Returns the final shared modules, each task's trained head, and the
@@ -133,7 +134,6 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
 @dataclass
 class FedProxConfig(FedAvgConfig):
     proximal_mu: float = option(0.01, "FedProx's μ: clients add (μ/2)·‖θ − θ_s‖² to their loss", minimum=0)
-
 
 
 @register_strategy

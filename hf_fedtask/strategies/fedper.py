@@ -57,7 +57,6 @@ class FedPerConfig(StrategyConfig):
     server_lr: float = option(1.0, "server step size α")
 
 
-
 @register_strategy
 class FedPer(Strategy):
     name = "fedper"

@@ -44,7 +44,6 @@ class MaTFLConfig(StrategyConfig):
     group_size: int = option(3, "peers (self included) each client aggregates with", minimum=1)
 
 
-
 @register_strategy
 class MaTFL(Strategy):
     name = "matfl"
@@ -67,7 +66,8 @@ class MaTFL(Strategy):
         vectors = {}
         for i, u in enumerate(updates):
             group = torch.argsort(similarity[i], descending=True, stable=True)[: self.config.group_size].tolist()
-            mean = weighted_average([updates[j].vectors[SHARED] for j in group], (updates[j].total_samples for j in group))
+            mean = weighted_average([updates[j].vectors[SHARED] for j in group],
+                                    (updates[j].total_samples for j in group))
             vectors[model_name(u.client_id)] = state.vectors[model_name(u.client_id)] + self.config.server_lr * mean
         vectors.update(average_heads(state, updates, self.config.server_lr))
         return state.next(vectors)

@@ -46,7 +46,8 @@ earlier rounds can be neighbours: v^t is τ^t as this round's Eq. 4 leaves it (�
 neighbour adds (a) is its stored τ^t under cumulative; under delta it has no increment this round, so
 it is no candidate for Z^t (it would add nothing, and averaging t's step with a zero step would only
 slow t whenever a related task is not sampled): `all` then picks the neighbours among this round's
-tasks by the similarity of their whole vectors τ^t + τ̂^t rather than of one round's increments. Tasks without participants keep τ^t.
+tasks by the similarity of their whole vectors τ^t + τ̂^t rather than of one round's increments. Tasks
+without participants keep τ^t.
 
 The server state is per task only (τ^t, heads), never per client. Each task is evaluated and exported
 from θ_p + τ^t (`task_parameters`); each round the server also unifies all T task vectors into the
@@ -97,7 +98,6 @@ DEFAULT_READING = "delta"
 NEIGHBOURHOODS = ("round", "all")
 STARTS = ("unified", "exact")  # the downlink: see `encode_wire`
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 
 def encode_tasks(tasks: list[str]) -> torch.Tensor:
@@ -202,7 +202,8 @@ class MaTUConfig(StrategyConfig):
     neighbours: str = option("all", "candidates for Z^t: round (tasks with participants this round) | all (also "
                                     "tasks carried forward, compared by their server vector τ^t)",
                              choices=NEIGHBOURHOODS)
-    rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)", choices=tuple(RESCALERS))
+    rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)",
+                           choices=tuple(RESCALERS))
     include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
     start: str = option("unified", "what a client trains from: unified (the paper: λ_t·(m_t ⊙ τ) decoded from one "
                                    "unified vector, 1-bit masks and rescalers) | exact (each task's own τ^t, the point "
@@ -215,7 +216,8 @@ class MaTUConfig(StrategyConfig):
 @register_strategy
 class MaTU(Strategy, CompactExport):
     name = "matu"
-    paper = "Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025 (arXiv:2502.06376)"
+    paper = ("Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025 "
+             "(arXiv:2502.06376)")
     config_class = MaTUConfig
     capabilities = Capabilities(exports=("adapters", "compact"))
 
@@ -236,7 +238,6 @@ class MaTU(Strategy, CompactExport):
     def _task_vectors(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
         return {t: state.vectors[matu_task_vector_name(t)] for t in tasks}
 
-
     def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
         """All tasks unified (the compact export), kept in the state as `export`."""
         return {MATU_EXPORT: encode_wire(self._task_vectors(state, state.tasks), self.config.rescaler)}
@@ -251,7 +252,8 @@ class MaTU(Strategy, CompactExport):
         return {
             "init": origin,
             "unified": TaskVector.unflatten(wire["unified"], origin),
-            "masks": {t: TaskVector.unflatten(unpack_bits(wire["masks"][i], numel), shapes) for i, t in enumerate(tasks)},
+            "masks": {t: TaskVector.unflatten(unpack_bits(wire["masks"][i], numel), shapes)
+                      for i, t in enumerate(tasks)},
             "rescalers": {t: float(wire["rescalers"][i]) for i, t in enumerate(tasks)},
             "heads": {t: state.vectors[head_name(t)] for t in tasks},
         }
@@ -303,7 +305,8 @@ class MaTU(Strategy, CompactExport):
         same_task, soft_masks = {}, {}
         # the heads' changes, unpacked (into copies: the updates are not ours to change), are averaged as in FedAvg
         updates = [dataclasses.replace(u, vectors={**u.vectors, **{
-            head_name(t): h for t, h in decode_heads(u.vectors[MATU_WIRE], self._heads(state, sorted(u.num_samples))).items()}})
+            head_name(t): h
+            for t, h in decode_heads(u.vectors[MATU_WIRE], self._heads(state, sorted(u.num_samples))).items()}})
             for u in updates]
         for task, holders in updates_by_task(updates).items():
             total = sum(u.num_samples[task] for u in holders)
@@ -325,7 +328,8 @@ class MaTU(Strategy, CompactExport):
     def neighbours(self, similarity: torch.Tensor, index: int) -> list[int]:
         """Z^t: the top-κ tasks by S(t, ·) among those with S > ε (t itself only if include_self)."""
         order = torch.argsort(similarity[index], descending=True, stable=True).tolist()
-        eligible = [j for j in order if similarity[index, j] > self.config.epsilon and (self.config.include_self or j != index)]
+        eligible = [j for j in order
+                    if similarity[index, j] > self.config.epsilon and (self.config.include_self or j != index)]
         return eligible[: self.config.kappa]
 
     def _candidates(self, state: GlobalState, same_task: dict[str, TaskVector]

@@ -69,7 +69,8 @@ class Scaffold(Strategy):
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
         names = [SHARED, *(head_name(t) for t in tasks)]
-        return {**{n: state.vectors[n] for n in names}, **{control_name(n): state.vectors[control_name(n)] for n in names}}
+        return {**{n: state.vectors[n] for n in names},
+                **{control_name(n): state.vectors[control_name(n)] for n in names}}
 
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
         names = [SHARED, *(head_name(t) for t in job.tasks)]

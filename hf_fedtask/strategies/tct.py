@@ -179,7 +179,8 @@ def regression_steps(z: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bia
 @register_strategy
 class TCT(Strategy, Packaging):
     name = "tct"
-    paper = "Yu, Wei, Karimireddy, Ma and Jordan, TCT: Convexifying Federated Learning using Bootstrapped Neural Tangent Kernels, NeurIPS 2022"
+    paper = ("Yu, Wei, Karimireddy, Ma and Jordan, TCT: Convexifying Federated Learning using Bootstrapped Neural "
+             "Tangent Kernels, NeurIPS 2022")
     config_class = TCTConfig
     capabilities = Capabilities(personalization=False, exports=("adapters", "tct"))
 
@@ -277,7 +278,8 @@ class TCT(Strategy, Packaging):
 
     def _client_features(self, job: ClientJob, trainer: LocalTrainer, task: str) -> torch.Tensor:
         if TCT_POINT not in job.store:
-            raise ProtocolError(f"tct: client {job.client_id} holds no stage-1 model (it missed the normalization round)")
+            raise ProtocolError(f"tct: client {job.client_id} holds no stage-1 model "
+                                "(it missed the normalization round)")
         return self.compute_features(trainer.host, job.store[TCT_POINT], task, job.initial_heads[task], job.data[task],
                                      who=f"client {job.client_id}")
 
@@ -309,8 +311,8 @@ class TCT(Strategy, Packaging):
             h = job.store.get(tct_h_name(task), linear.zeros_like())
             if c.solver == "scaffold":
                 h = h + (linear - last) * (1.0 / (c.stage2_steps * lr))
-            weight, bias, loss = regression_steps(z, y, linear["weight"], linear.get("bias"), h["weight"], h.get("bias"),
-                                                  c.stage2_steps, lr)
+            weight, bias, loss = regression_steps(z, y, linear["weight"], linear.get("bias"), h["weight"],
+                                                  h.get("bias"), c.stage2_steps, lr)
             trained = TaskVector({"weight": weight, **({"bias": bias} if bias is not None else {})})
             job.store[tct_last_name(task)], job.store[tct_h_name(task)] = trained, h
             vectors[linear_name(task)] = trained - linear
@@ -352,7 +354,8 @@ class TCT(Strategy, Packaging):
         return out
 
     # -- evaluation --------------------------------------------------------------------------------
-    def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray | None:
+    def predict(self, state: GlobalState, task: str, host: PeftHost, data: Dataset,
+                batch_size: int) -> np.ndarray | None:
         if self.phase(state) != STAGE2 or not state.scalars.get("stage2_rounds"):
             return None  # still the stage-1 model (the host evaluates it)
         z = self.compute_features(host, state.vectors[SHARED], task, state.vectors[head_name(task)], data, who="server")
@@ -363,7 +366,8 @@ class TCT(Strategy, Packaging):
         feature head) and the linear model with its coordinates; None before stage 2 has trained."""
         if self.phase(state) != STAGE2 or not state.scalars.get("stage2_rounds"):
             return None
-        point, head = state.vectors[SHARED], feature_head(state.vectors[head_name(task)], task, self.config.feature_seed)
+        point, head = state.vectors[SHARED], feature_head(state.vectors[head_name(task)], task,
+                                                          self.config.feature_seed)
         linear = {"index": self.feature_index(point, head), **state.vectors[norm_name(task)],
                   **state.vectors[linear_name(task)]}
         return TaskVector({**point, **head}), linear

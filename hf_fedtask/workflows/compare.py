@@ -131,7 +131,8 @@ def markdown_table(rows: list[dict], title: str) -> str:
     directions, measured), and for FedAvg-style rows the paper protocol's MB per round."""
     tasks = list(rows[0]["tasks"])
     paper = any("paper_bytes_per_round" in r for r in rows)
-    head = "| method | " + " | ".join(tasks) + " | mean | normalized | MB/round |" + (" MB/round, one adapter per task |" if paper else "")
+    head = ("| method | " + " | ".join(tasks) + " | mean | normalized | MB/round |"
+            + (" MB/round, one adapter per task |" if paper else ""))
     lines = [f"**{title}**", "", head, "|" + "---|" * (len(tasks) + 4 + paper)]
     for row in rows:
         cells = [f"{100 * row['tasks'][t]:.1f}" for t in tasks]
@@ -144,7 +145,8 @@ def markdown_table(rows: list[dict], title: str) -> str:
         lines.append(line)
         if "mean_compact" in row:
             lines.append(f"| {row['method']} (compact export) | " + " | ".join("" for _ in tasks)
-                         + f" | {_pm(row['mean_compact'], row.get('mean_compact_std'))} | | |" + (" |" if paper else ""))
+                         + f" | {_pm(row['mean_compact'], row.get('mean_compact_std'))} | | |"
+                         + (" |" if paper else ""))
     return "\n".join(lines)
 
 

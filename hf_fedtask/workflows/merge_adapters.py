@@ -99,7 +99,8 @@ def merge_inputs(
     base = read_input(base_adapter) if base_adapter is not None else None
     for x in inputs:
         if x.delta and base is None:
-            raise ConfigError(f"{x.source}: a 'delta' task vector is measured from the PEFT init; pass it as --base-adapter")
+            raise ConfigError(f"{x.source}: a 'delta' task vector is measured from the PEFT init; "
+                              "pass it as --base-adapter")
     config_file = next((x.config_file for x in [*inputs, base] if x is not None and x.config_file), None)
     if config_file is None:
         raise ConfigError("task-vector files carry no PEFT config: give an adapter folder as input or --base-adapter")
@@ -124,7 +125,8 @@ def merge_inputs(
             params["majority_sign"] = majority_sign
     card = _card(inputs, base, method, params, config.get("base_model_name_or_path"))
     with staged_folder(out) as staging:
-        write_adapter_folder(staging, config_file.read_bytes(), TaskVector({k: state[k] for k in inputs[0].tensors}), card)
+        write_adapter_folder(staging, config_file.read_bytes(),
+                             TaskVector({k: state[k] for k in inputs[0].tensors}), card)
     return out
 
 
@@ -186,8 +188,10 @@ def _check_compatible(x: _Input, ref: _Input, head_keys: set[str], allow_head_sh
             raise TaskVectorError(f"{x.source}: unexpected key {key!r} ({ref.source} lacks it)")
         r = ref.tensors[key]
         if t.shape != r.shape and not (allow_head_shapes and key in head_keys):
-            hint = "; heads of different sizes cannot be merged (--method unify keeps one per input)" if key in head_keys else ""
-            raise TaskVectorError(f"{x.source}: key {key!r} has shape {tuple(t.shape)}, {ref.source} has {tuple(r.shape)}{hint}")
+            hint = ("; heads of different sizes cannot be merged (--method unify keeps one per input)"
+                    if key in head_keys else "")
+            raise TaskVectorError(f"{x.source}: key {key!r} has shape {tuple(t.shape)}, "
+                                  f"{ref.source} has {tuple(r.shape)}{hint}")
         if t.dtype != r.dtype:
             raise TaskVectorError(f"{x.source}: key {key!r} has dtype {t.dtype}, {ref.source} has {r.dtype}")
 

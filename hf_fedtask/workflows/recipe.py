@@ -43,8 +43,9 @@ def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, P
     recipes that chain several runs and read their folders run in one process."""
     here = launch()
     if here.multi_process and not ranks:
-        raise ConfigError(f"this recipe chains several runs and reads their folders, so it runs in one process (this is "
-                          f"rank {here.rank} of {here.world_size}); launch it without --nproc_per_node / --num_processes")
+        raise ConfigError(f"this recipe chains several runs and reads their folders, so it runs in one process "
+                          f"(this is rank {here.rank} of {here.world_size}); "
+                          "launch it without --nproc_per_node / --num_processes")
     print(f"torch threads: {set_threads(args.threads)}" + (f" (rank {here.rank} of {here.world_size})"
                                                            if here.multi_process else ""), flush=True)
     values = dict(defaults)

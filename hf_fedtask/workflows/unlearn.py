@@ -55,7 +55,8 @@ def _run_name_part(name: str) -> str:
 
 def _checked_run_config(run_dir: Path):
     if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run (needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
+        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run "
+                             f"(needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
     return load_run_config(run_dir)
 
 
@@ -90,7 +91,8 @@ def unlearn(run_dir: str | Path, task: str | None, rounds: int, *, client: int |
     out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-unlearn-{suffix}")
     if out.resolve() == run_dir.resolve():
         raise OutputDirError(f"{out}: unlearning writes a new run; choose an output dir other than the original run")
-    config = dataclasses.replace(parent.with_options(**change), rounds=finished.state.round + rounds, output_dir=str(out))
+    config = dataclasses.replace(parent.with_options(**change), rounds=finished.state.round + rounds,
+                                 output_dir=str(out))
     return run(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=run_dir)
 
 
@@ -105,7 +107,8 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
         raise ConfigError(f"unknown task {task!r}; the run's tasks are {', '.join(t.name for t in env.tasks)}")
     if not env.strategy.capabilities.task_vector_tracking:
         raise ConfigError(f"strategy {env.strategy.name!r} keeps no task vectors to negate; use a FedAvg-family run")
-    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-negate-{_run_name_part(task)}")
+    out = (Path(output_dir) if output_dir is not None
+           else run_dir.with_name(f"{run_dir.name}-negate-{_run_name_part(task)}"))
     config = dataclasses.replace(load_run_config(run_dir), output_dir=str(out))
     check_output_dir(config, resume=False, overwrite=overwrite)
     state, history = finished.state, finished.history
@@ -119,7 +122,8 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
     results = summarize_results(env, state, [*history, record])
     results["unlearning"] = {"method": "one-shot: the task's vector, scaled, was subtracted from the merged model",
-                             "tasks": [task], "scale": scale, "task_vector": str(task_vector or tracked_task_vector_name(task)),
+                             "tasks": [task], "scale": scale,
+                             "task_vector": str(task_vector or tracked_task_vector_name(task)),
                              "before": before, "after": after}
     with folder_lock(out):
         check_output_dir(config, resume=False, overwrite=overwrite)
@@ -181,7 +185,8 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     if not strategy.capabilities.client_removal:
         raise ConfigError(f"strategy {strategy.name!r} has no server-side removal (run strategy f2l2); "
                           "remove a client of a FedAvg-family run with `unlearn --client K --rounds R`")
-    out = Path(output_dir) if output_dir is not None else run_dir.with_name(f"{run_dir.name}-remove-client{client}-{method}")
+    out = (Path(output_dir) if output_dir is not None
+           else run_dir.with_name(f"{run_dir.name}-remove-client{client}-{method}"))
     if out.resolve() == run_dir.resolve():
         raise OutputDirError(f"{out}: removal writes a new folder; choose an output dir other than the original run")
     config = dataclasses.replace(load_run_config(run_dir), output_dir=str(out))
@@ -237,5 +242,6 @@ def _gradient_ascent(strategy, state, env, client: int, epochs: float, lr: float
     trained, _ = LocalTrainer(env.host, args).train(w, data[task], seed=env.config.seed,
                                                     objectives=[GradientAscent(OneHotMSE())], linearize_at=point)
     shared = state.vectors[SHARED]
-    vectors = {SHARED: trained.filter(lambda k: k in shared), head_name(task): trained.filter(lambda k: k not in shared)}
+    vectors = {SHARED: trained.filter(lambda k: k in shared),
+               head_name(task): trained.filter(lambda k: k not in shared)}
     return GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
