@@ -49,6 +49,7 @@ DEFAULTS = {
 METHODS = {
     "matu": {"strategy": "matu"},
     "matu_cumulative": {"strategy": "matu", "vectors": "cumulative"},
+    "matu_per_task_downlink": {"strategy": "matu", "downlink": "per_task"},
     "fedavg": {"strategy": "fedavg"},
     "fedprox": {"strategy": "fedprox"},
     "fedper": {"strategy": "fedper"},

@@ -25,8 +25,8 @@ SCRIPTS = {
     "entk_bench.py": ([rf"^RATIO {name} batched/loop samples per second = {NUMBER} " for name in (
         "small-cnn-full/digits", "minilm-lora/vader_polarity")], False),
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
-    "matu_start.py": ([rf"^RATIO exact/unified score \(5 steps, η=0.2\) = {NUMBER}$",
-                       rf"^RATIO exact/unified bytes per round = {NUMBER}$"], False),
+    "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
+                       rf"^RATIO per_task/unified bytes per round = {NUMBER}$"], False),
     "client_overhead.py": ([rf"^RATIO ours/bare wall time \(median over pairs\) = {NUMBER} "], True),
     "linearize_bench.py": ([rf"^RATIO linearized/normal \(sdpa\) step time +: {NUMBER} ",
                             rf"^RATIO linearized/normal-eager step time +: {NUMBER} "], True),

@@ -373,11 +373,11 @@ def test_wire_slots_are_matched_by_name_not_position():
         decode_heads(wire, {t: heads[t] for t in ("a", "b")})
 
 
-def test_exact_start_sends_each_task_vector_and_clients_train_from_it():
-    """`start: exact`: the downlink carries every held τ^t as it is (one float vector per task, no masks), the
+def test_per_task_downlink_sends_each_task_vector_and_clients_train_from_it():
+    """`downlink: per_task`: the downlink carries every held τ^t as it is (one float vector per task, no masks), the
     client's step is measured from it, and the upload stays the unified form."""
     gen = torch.Generator().manual_seed(6)
-    strategy = build_strategy("matu", {"start": "exact"})
+    strategy = build_strategy("matu", {"downlink": "per_task"})
     tasks = ["t0", "t1", "t2"]
     state = strategy.init_state(FakeHost(gen), [SimpleNamespace(name=t, num_labels=2) for t in tasks], 0,
                                 {0: tasks, 1: ["t1"]})

@@ -147,12 +147,12 @@ def test_delta_sum_stays_bounded_where_cumulative_sum_compounds():
     assert min(federate({"combine": "sum", "vectors": "cumulative"}, trainer=one_step).norm_ratios()) > 100
 
 
-def test_exact_start_lands_the_step_where_it_was_measured():
-    """`start: exact` trains each task from its own τ^t, the point its step is added to; the unified start
+def test_per_task_downlink_lands_the_step_where_it_was_measured():
+    """`downlink: per_task` trains each task from its own τ^t, the point its step is added to; the unified start
     measures the step at λ·(m ⊙ τ), so entries the unification drops keep receiving the task's pull and the
     task vectors overshoot their optima. Measured: fit errors 0.25, 0.26 against 0.41, 0.38; ‖τ^t‖/‖τ*‖ 0.99,
     0.98 against 1.21, 1.12."""
-    unified, exact = federate({}), federate({"start": "exact"})
+    unified, exact = federate({}), federate({"downlink": "per_task"})
     assert max(exact.fit_errors()) < 0.3 < 0.35 < min(unified.fit_errors())
     assert max(abs(r - 1) for r in exact.norm_ratios()) < 0.05
     assert max(unified.norm_ratios()) > 1.15

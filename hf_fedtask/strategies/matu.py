@@ -29,11 +29,11 @@ signs), S > 0.5 agreeing and S < 0.5 opposed ones. Two readings of what the vect
                 stable because increments are small; `mean` and `s_normalized` mix t's own step with
                 its neighbours' (shrinking it).
 
-Where a client starts (`start`): `unified` (the paper's downlink) decodes each task's start
+Where a client starts (`downlink`): `unified` (the paper's) decodes each task's start
 λ_n^t·(m_n^t ⊙ τ_n) from the unification of the client's tasks, so under delta the step is measured at
 one point and added to another, τ^t: entries the unification drops for t keep receiving t's pull, and
-opposed tasks can end up further apart than their optima. `exact` sends every held task's own τ^t
-(one vector per task instead of one for all, plus no masks), so the step lands where it was measured.
+opposed tasks can end up further apart than their optima. `per_task` sends every held task's own τ^t
+(one vector per task instead of one for all, and no masks), so the step lands where it was measured.
 Adding the step where the client started instead (the server can re-decode what it sent, no extra
 bytes) is worse: local training moves a start only part of the way, so what the unification drops
 would be lost again every round (`benchmarks/matu_start.py` measures all three). Each slot of a wire
@@ -96,7 +96,7 @@ COMBINE_RULES = ("sum", "mean", "s_normalized")
 READINGS = ("cumulative", "delta")  # what clients upload and Eq. 7 yields: see the module docstring
 DEFAULT_READING = "delta"
 NEIGHBOURHOODS = ("round", "all")
-STARTS = ("unified", "exact")  # the downlink: see `encode_wire`
+DOWNLINKS = ("unified", "per_task")  # see `encode_wire`
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -111,7 +111,7 @@ def wire_tasks(wire: TaskVector) -> list[str]:
 
 
 def encode_wire(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "float32",
-                heads: dict[str, TaskVector] | None = None, exact: bool = False) -> TaskVector:
+                heads: dict[str, TaskVector] | None = None, per_task: bool = False) -> TaskVector:
     """MaTU's wire form of task vectors (task -> τ^t, PEFT keys), its slots in the order given:
 
         tasks      the task names in slot order (`encode_tasks`), so slots are matched by name
@@ -121,10 +121,10 @@ def encode_wire(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "flo
         heads      the tasks' heads, flattened and concatenated in slot order (when given)
 
     A handful of tensors whatever T and the number of modules, so the header stays a few hundred
-    bytes. `exact` sends every τ^t itself instead of the unification: `vectors` (T, d) replaces
+    bytes. `per_task` sends every τ^t itself instead of the unification: `vectors` (T, d) replaces
     unified, masks and rescalers (T times the unified vector's bytes)."""
     tasks = list(vectors)
-    if exact:
+    if per_task:
         wire = {"tasks": encode_tasks(tasks),
                 "vectors": torch.stack([vectors[t].flatten() for t in tasks]).to(WIRE_DTYPES[dtype])}
     else:
@@ -141,9 +141,9 @@ def encode_wire(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "flo
 
 
 def wire_template(numel: int, tasks: list[str], dtype: str = "float32",
-                  heads: dict[str, TaskVector] | None = None, exact: bool = False) -> TaskVector:
+                  heads: dict[str, TaskVector] | None = None, per_task: bool = False) -> TaskVector:
     """Keys, shapes and dtypes of `encode_wire`'s output (values are zeros but the task names)."""
-    if exact:
+    if per_task:
         wire = {"tasks": encode_tasks(tasks), "vectors": torch.zeros(len(tasks), numel, dtype=WIRE_DTYPES[dtype])}
     else:
         wire = {
@@ -166,7 +166,7 @@ def slot(wire: TaskVector, task: str) -> int:
 
 
 def decode_task(wire: TaskVector, task: str, like: TaskVector) -> TaskVector:
-    """λ_t·(m_t ⊙ τ) of `task` (its own τ^t in an exact wire form), in the keys, shapes and dtypes of `like`."""
+    """λ_t·(m_t ⊙ τ) of `task` (its own τ^t in a per-task wire form), in the keys, shapes and dtypes of `like`."""
     index = slot(wire, task)
     if "vectors" in wire:
         return TaskVector.unflatten(wire["vectors"][index].float(), like)
@@ -205,10 +205,10 @@ class MaTUConfig(StrategyConfig):
     rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)",
                            choices=tuple(RESCALERS))
     include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
-    start: str = option("unified", "what a client trains from: unified (the paper: λ_t·(m_t ⊙ τ) decoded from one "
-                                   "unified vector, 1-bit masks and rescalers) | exact (each task's own τ^t, the point "
-                                   "its step is added to; the downlink carries one vector per task held)",
-                        choices=STARTS)
+    downlink: str = option("unified", "what a client trains each task from: unified (the paper: λ_t·(m_t ⊙ τ) "
+                                      "decoded from one unified vector, 1-bit masks and rescalers) | per_task (each "
+                                      "task's own τ^t, the point its step is added to; one vector per task held)",
+                           choices=DOWNLINKS)
     wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
                              choices=tuple(WIRE_DTYPES))
 
@@ -277,7 +277,7 @@ class MaTU(Strategy, CompactExport):
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
         return {MATU_WIRE: encode_wire(self._task_vectors(state, tasks), self.config.rescaler, self.config.wire_dtype,
-                                  heads=self._heads(state, tasks), exact=self.config.start == "exact")}
+                                  heads=self._heads(state, tasks), per_task=self.config.downlink == "per_task")}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         numel = sum(t.numel() for t in state.vectors[SHARED].values())
