@@ -5,17 +5,9 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
-from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LinearizedModel", "load_linearized", "load_task_adapter", "load_tct", "negate_task", "unlearn"]
-
-if TYPE_CHECKING:  # what `__getattr__` imports lazily, for type checkers and readers
-    from hf_fedtask.export.compact import load_task_adapter
-    from hf_fedtask.export.linearized import load_linearized
-    from hf_fedtask.export.tct import load_tct
-    from hf_fedtask.model.linearize import LinearizedModel
-    from hf_fedtask.workflows.unlearn import negate_task, unlearn
 
 _LAZY = {
     "load_task_adapter": "export.compact",

@@ -1,5 +1,6 @@
 """Shared fixtures: offline environment, a tiny random BERT with the MiniLM tokenizer, tiny tasks, and
-their image counterparts: a tiny random ViT with its image processor and synthetic image tasks."""
+their image counterparts: a tiny random ViT with its image processor and synthetic image tasks; a finished
+tiny FedAvg run, and small helpers (a tiny RunConfig, a run's metrics records, tensor-dict equality)."""
 
 import os
 
@@ -24,7 +25,9 @@ _HUB_CACHE = tempfile.mkdtemp(prefix="hf-fedtask-tests-hub-")
 os.environ["HF_HUB_CACHE"] = _HUB_CACHE
 atexit.register(lambda: __import__("shutil").rmtree(_HUB_CACHE, ignore_errors=True))
 
+import json  # noqa: E402
 import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -163,6 +166,38 @@ def tiny_config(tiny_bert_dir, tiny_tasks_dir, tmp_path):
         min_samples=4,
         output_dir=str(tmp_path / "run"),
     )
+
+
+def make_config(tiny_bert_dir, tiny_tasks_dir, output_dir, **overrides):
+    """A RunConfig for a 1-round, 1-step FedAvg on the tiny model and tasks, 4 clients; `overrides` replace
+    any of its fields."""
+    from hf_fedtask.config import RunConfig
+
+    values = dict(strategy="fedavg", suite=None, tasks=list(tiny_tasks_dir), base_model=tiny_bert_dir,
+                  base_model_id=TINY_MODEL_ID, num_clients=4, rounds=1, batch_size=8, local_steps=1,
+                  learning_rate=1e-2, max_length=16, min_samples=4, output_dir=str(output_dir))
+    return RunConfig(**{**values, **overrides})
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, one dict a round."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensors_equal(a: dict, b: dict) -> bool:
+    """Same keys, and every tensor equal."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="session")
+def finished_fedavg(tiny_bert_dir, tiny_tasks_dir, tmp_path_factory) -> Path:
+    """A finished 1-round FedAvg run on all 4 clients, with its payloads kept (shared by read-only tests)."""
+    from hf_fedtask.engine.run import run
+
+    config = make_config(tiny_bert_dir, tiny_tasks_dir, tmp_path_factory.mktemp("finished") / "run",
+                         save_payloads=True)
+    run(config)
+    return Path(config.output_dir)
 
 
 from hub_stub import hub_stub  # noqa: E402,F401  (the loopback Hub fixture, for test_hub and test_cli)

@@ -1,20 +1,23 @@
-"""The MaTU tables' baselines: FedPer (personal layers stay on clients) and the MaT-FL-style grouped
-aggregation (each client moves by the mean update of its most similar peers)."""
+"""The MaTU tables' baselines: FedPer (personal layers stay on clients; a task's metric is the mean over its
+holders' own models) and the MaT-FL-style grouped aggregation (a client moves by its nearest peers' mean update)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from conftest import make_config, tensors_equal
 from safetensors.torch import load_file
 
+from hf_fedtask.client.evaluation import evaluate
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.engine import run as federation
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.strategies import build_strategy
+from hf_fedtask.strategies import ClientJob, build_strategy
 from hf_fedtask.strategies.base import SHARED, head_name
 from hf_fedtask.strategies.fedper import PERSONAL, last_block_keys
 from hf_fedtask.strategies.matfl import model_name
@@ -52,6 +55,43 @@ def test_fedper_personal_layers_and_heads_never_travel_and_survive_resume(tiny_c
         assert {head_name(t) for t in state.allocation[cid]} <= set(store)
         # each client's personal layers moved away from the seeded init, on its own
         assert (store[PERSONAL] - sim.origin.filter(lambda k: k in personal)).norm() > 0
+
+
+def test_fedper_metric_is_the_mean_over_the_holders_own_models(tiny_bert_dir, tiny_tasks_dir, tmp_path,
+                                                               monkeypatch):
+    """Each task's logged metric is the mean over its holders of evaluating their own model
+    (`client_task_parameters`: global modules, personal layers, own head) as computed by hand; the
+    engine evaluated exactly those models, on each holder; `clients` counts the holders."""
+    from hf_fedtask.engine.client import ClientRuntime
+
+    config = make_config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "run", strategy="fedper", zeta=0.5, local_steps=2)
+    fed = federation.Federation(config)
+    strategy = fed.strategy
+    evaluated = {}  # (client, task) -> the parameters the engine's client evaluated
+    original = ClientRuntime._evaluate
+
+    def spy(self, params, task):
+        evaluated[(self.client_id, task)] = params
+        return original(self, params, task)
+
+    monkeypatch.setattr(ClientRuntime, "_evaluate", spy)
+    state, record = fed.run_round(fed.initial_state(), 1)
+    assert sorted(evaluated) == sorted((c, t) for c, tasks in state.allocation.items() for t in tasks)
+    for task in fed.env.task_by_name.values():
+        holders = state.holders(task.name)
+        values, params = [], []
+        for c in holders:
+            job = ClientJob(client_id=c, round=state.round, data=fed.client_data(c), seed=config.seed,
+                            origin=fed.origin, initial_heads=fed.initial_heads, store=fed.client_stores[c])
+            params.append(strategy.client_task_parameters(strategy.downlink(state, c, state.allocation[c]), job,
+                                                          task.name))
+            values.append(evaluate(fed.host, params[-1], fed.test_data(task.name), task.metric,
+                                   config.eval_batch_size)[task.metric])
+            assert tensors_equal(dict(evaluated[(c, task.name)]), dict(params[-1])), (c, task.name)
+        entry = record["eval"][task.name]
+        assert entry["clients"] == len(holders) >= 2
+        assert entry[task.metric] == pytest.approx(float(np.mean(values)), abs=1e-12)
+        assert (params[0] - params[1]).norm() > 0  # the holders' models are their own
 
 
 def test_matfl_moves_each_client_by_its_groups_mean_update():

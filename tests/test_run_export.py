@@ -1,0 +1,34 @@
+"""Exporting a finished run: `export_run` rewrites every adapter equal to the run's own without
+tokenizing or partitioning any client data."""
+
+from __future__ import annotations
+
+import shutil
+
+from conftest import tensors_equal
+from safetensors.torch import load_file
+
+
+def test_export_rewrites_the_adapters_without_tokenizing_or_partitioning(finished_fedavg, tmp_path, monkeypatch):
+    """`export_run` on a finished run rebuilds every adapter equal to the run's own, with tokenizing and
+    partitioning made to fail."""
+    from hf_fedtask.workflows.export_run import export_run
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(finished_fedavg, run_dir)
+    adapters = sorted((run_dir / "adapters").glob("*/adapter_model.safetensors"))
+    before = {p.parent.name: load_file(p) for p in adapters}
+    assert sorted(before) == ["colors", "moods"]
+    shutil.rmtree(run_dir / "adapters")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("export must not touch client data")
+
+    monkeypatch.setattr("hf_fedtask.model.host.PeftHost.tokenize", forbidden)
+    for target in ("hf_fedtask.data.build_federation", "hf_fedtask.data.partition.build_federation",
+                   "hf_fedtask.engine.environment.build_federation"):
+        monkeypatch.setattr(target, forbidden)
+    paths = export_run(run_dir)
+    assert sorted(p.name for p in paths) == ["colors", "moods"]
+    for task, tensors in before.items():
+        assert tensors_equal(load_file(run_dir / "adapters" / task / "adapter_model.safetensors"), tensors), task
