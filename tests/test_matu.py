@@ -371,6 +371,12 @@ def test_wire_slots_are_matched_by_name_not_position():
         decode_task(wire, "d", vectors["a"])
     with pytest.raises(TaskVectorError, match="heads of"):
         decode_heads(wire, {t: heads[t] for t in ("a", "b")})
+    strategy = build_strategy("matu", {})
+    state = strategy.init_state(FakeHost(gen), [SimpleNamespace(name=t, num_labels=2) for t in ("a", "b", "c", "x")],
+                                0, {0: ["a", "b", "c"]})
+    renamed = TaskVector({**wire, "tasks": encode_wire({"x": vectors["a"]}, "global_sum")["tasks"]})
+    with pytest.raises(TaskVectorError, match=r"client 0 \(round 1\).*carries tasks \['x'\]"):
+        strategy.server_aggregate(state, [ClientUpdate(0, 1, {MATU_WIRE: renamed}, {"a": 1, "b": 1, "c": 1})])
 
 
 def test_per_task_downlink_sends_each_task_vector_and_clients_train_from_it():

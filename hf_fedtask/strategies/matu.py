@@ -303,6 +303,11 @@ class MaTU(Strategy, CompactExport):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         origin = state.vectors[SHARED]
         same_task, soft_masks = {}, {}
+        for u in updates:  # slots are matched by name: an upload must carry exactly the tasks it reports
+            if sorted(wire_tasks(u.vectors[MATU_WIRE])) != sorted(u.num_samples):
+                raise TaskVectorError(f"client {u.client_id} (round {u.round}): its MaTU upload carries tasks "
+                                      f"{wire_tasks(u.vectors[MATU_WIRE])}, but reports samples for "
+                                      f"{sorted(u.num_samples)}")
         # the heads' changes, unpacked (into copies: the updates are not ours to change), are averaged as in FedAvg
         updates = [dataclasses.replace(u, vectors={**u.vectors, **{
             head_name(t): h
