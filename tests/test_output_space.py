@@ -32,7 +32,7 @@ def test_layouts_of_max_and_union():
     view = union.task_view(TaskVector(head), "moods", ["h.weight", "h.bias"])
     assert torch.equal(view["h.bias"], torch.tensor([3.0, 4.0])) and torch.equal(view["lora"], torch.ones(2))
     assert "moods" in union.describe("moods") and "outputs 3-4" in union.describe("moods")
-    with pytest.raises(ConfigError, match="output_space must be one of"):
+    with pytest.raises(ConfigError, match="output_space: must be one of"):
         RunConfig(output_space="shared")
 
 
