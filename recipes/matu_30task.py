@@ -11,7 +11,10 @@ when this default was set; the README gives this release's time). Every task's t
 after every 4th round (an evaluation costs about two thirds of a training round here; `--eval-every 1`
 evaluates every round). The recipe uses every core it may (`accelerate launch` alone gives it one
 thread); `--threads N` or your OMP_NUM_THREADS wins. The paper runs 300 rounds with every client each
-round; this default is the same algorithm scaled to the CPU budget. Any RunConfig key is a flag (`--rounds 50`).
+round; this default is the same algorithm scaled to the CPU budget, with one change: the downlink carries
+each held task's own τ^t (`downlink: per_task`), so a client's step is measured where the server adds it,
+at about 3x the bytes of the paper's unified downlink (`--downlink unified`, which the paper preset keeps;
+the README has both). Any RunConfig key is a flag (`--rounds 50`).
 
 At the end: a per-task table (accuracy and accuracy normalized by individual centralized LoRA),
 `accuracy_vs_round.png`, `results.json`, one stock PEFT adapter per task under `adapters/`, the
@@ -37,6 +40,7 @@ DEFAULTS = {
     "rounds": 24,  # what fits the 10-minute budget on 2 cores (see the docstring)
     "eval_every": 4,  # 6 evaluations instead of 24 pay for 7 more rounds than the previous default of 17
     "local_epochs": 1.0,
+    "downlink": "per_task",  # each task trained from its own τ^t; --downlink unified is the paper's (README)
     "output_dir": "runs/matu30",
 }
 
