@@ -22,7 +22,7 @@ share of the attainable loss reduction, 1 − ‖τ^t − r_t‖² / ‖r_t‖²
 mean optimum), averaged over tasks; 1 is the best any method can do. Bytes per round: both
 directions, from the safetensors bytes the engines send.
 
-    python benchmarks/matu_start.py            # 3 seeds x 2 local-training regimes, about 1 min
+    python benchmarks/matu_start.py            # 3 seeds x 2 local-training regimes, about 15 s
     python benchmarks/matu_start.py --quick    # 1 seed, 5 rounds
 
 Measured (3 seeds, mean ± std):
