@@ -131,6 +131,8 @@ class RunConfig:
     # evaluating every test split is a large share of a round on a CPU (README: the main job's timing);
     # eval_every changes no training result, so a run may resume with another k
     eval_every: int = option(1, "evaluate the test splits every k rounds and always after the last", minimum=1)
+    generation_eval: bool = option(False, "causal LM: also score each task's greedy answers by exact match with its "
+                                   "label word, once at the end (results.json's exact_match)")
     seed: int = option(0, "seed of the partition, the PEFT init, sampling and local training", minimum=0)
     report_to: list[str] = option([], "Accelerate trackers to log each round's metrics to, e.g. tensorboard wandb "
                                   "(logs under OUTPUT_DIR/logs)")
@@ -139,7 +141,8 @@ class RunConfig:
 
     # fields that may change between a run and its resumption without making it a different run
     RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = (
-        "output_dir", "rounds", "report_to", "export", "eval_batch_size", "eval_every", "save_payloads", "device")
+        "output_dir", "rounds", "report_to", "export", "eval_batch_size", "eval_every", "save_payloads", "device",
+        "generation_eval")
 
     def __post_init__(self):
         check_fields(self)  # types, choices and ranges of every field

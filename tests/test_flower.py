@@ -138,6 +138,19 @@ def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny
     assert ("evaluate" in kinds) == (strategy == "fedper")
 
 
+@pytest.mark.parametrize("strategy,options,overrides", [
+    ("fedavg", {}, {}),
+    ("matu", {"kappa": 1}, {"zeta": 0.5, "num_clients": 5}),
+    ("fedyolo", {}, {"rounds": 1}),
+])
+def test_a_causal_lm_run_over_flower_equals_the_in_process_run(strategy, options, overrides, tiny_tasks_dir, tmp_path,
+                                                               reference_run):
+    config = tiny("hf-fedtask/tiny-llama", tiny_tasks_dir, tmp_path / "flower", strategy, options,
+                  base_model_id=None, max_length=128, **overrides)
+    drive(config)
+    assert_same_run(reference_run(config), tmp_path / "flower")
+
+
 def test_run_through_the_local_grid_engine_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path,
                                                                      reference_run):
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", rounds=1)

@@ -15,14 +15,14 @@ from hf_fedtask.model.host import PeftHost
 
 @torch.no_grad()
 def _predict_with(model, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray:
-    """Argmax of `model` on `data`'s batches, moved to the model's device and run in the training's
-    precision; the predictions come back to the CPU."""
+    """`model`'s label for each example of `data` (the classifier's argmax, or a causal LM's choice of
+    highest log-likelihood: `host.inputs.predict_batch`), batches moved to the model's device and run
+    in the training's precision; the predictions come back to the CPU."""
     model.eval()
     device = host.device
-    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.collator)
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.eval_collator)
     with host.autocast():
-        preds = [model(**to_device({k: v for k, v in batch.items() if k != "labels"}, device)).logits.argmax(-1).cpu()
-                 for batch in loader]
+        preds = [host.inputs.predict_batch(model, to_device(batch, device)).cpu() for batch in loader]
     return torch.cat(preds).numpy()
 
 
@@ -39,6 +39,23 @@ def evaluate(host: PeftHost, state: TaskVector, data: Dataset, metric: str = "ac
     """`{metric: value, "num_examples": n}` for prepared `data` (which has a `labels` column)."""
     module_path(metric)  # an unknown metric fails before any prediction
     return score(predict(host, state, data, batch_size, linearize_at, linearization), data, metric)
+
+
+def generation_exact_match(host: PeftHost, state: TaskVector, data: Dataset, label_names,
+                           batch_size: int = 128) -> float:
+    """A causal LM's greedy answers to `data`'s prompts against each example's label word, scored by
+    the `exact_match` evaluate module (`hf_fedtask.metrics`); generation stops after the longest word."""
+    from hf_fedtask.model.instructions import generate_answers, label_words
+
+    words = label_words(label_names)
+    longest = max(len(ids) for ids in host.inputs.choice_ids(words))
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.eval_collator)
+    answers = []
+    with host.loaded(state) as model, host.autocast():
+        model.eval()
+        for batch in loader:
+            answers += generate_answers(model, host.inputs.processor, to_device(batch, host.device), longest + 1)
+    return compute("exact_match", [words[y] for y in data["labels"]], answers)
 
 
 def score(preds: np.ndarray, data: Dataset, metric: str = "accuracy") -> dict:

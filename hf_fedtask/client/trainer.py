@@ -69,6 +69,15 @@ class _HostDeviceArguments(TrainingArguments):
         return device
 
 
+def _length_grouping(grouped: bool) -> dict:
+    """TrainingArguments for batches of alike lengths (a causal LM's instruction examples vary in length,
+    so they pad little): `train_sampling_strategy` in recent transformers, `group_by_length` in older ones."""
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if "train_sampling_strategy" in names:
+        return {"train_sampling_strategy": "group_by_length" if grouped else "random"}
+    return {"group_by_length": grouped}
+
+
 class _LearningRateSum(TrainerCallback):
     """Σ_k η_k over the optimizer steps taken: what SCAFFOLD's option-II control update divides
     the local movement by (K·η_l for a constant rate, exact under a schedule)."""
@@ -153,6 +162,7 @@ class LocalTrainer:
             disable_tqdm=True,
             dataloader_num_workers=0,
             remove_unused_columns=False,
+            **_length_grouping(self.host.inputs.group_by_length),
         )
         trainer = _ObjectiveTrainer(
             model=model,

@@ -133,6 +133,7 @@ def _to_task(spec: BuiltinTask, dataset: DatasetDict, seed: int) -> Task:
         metric="accuracy",
         group=spec.group,
         description=spec.description,
+        instruction=spec.description,  # each builtin description is the task's question
         extra={
             "suite_version": SUITE_VERSION,
             "seed": seed,

@@ -23,8 +23,8 @@ from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError
 
 IMAGE_COLUMNS = ("image", "img")
-TEXT_COLUMNS = ("text", "sentence", "content", "review", "document", "tweet", "utterance", "question")
-LABEL_COLUMNS = ("label", "labels", "class")
+TEXT_COLUMNS = ("text", "sentence", "content", "review", "document", "tweet", "utterance", "question", "prompt")
+LABEL_COLUMNS = ("label", "labels", "class", "answer")  # a prompt/answer dataset: its answers become the labels
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 

@@ -22,6 +22,9 @@ class Task:
     group: str | None = None
     description: str = ""
     extra: dict = field(default_factory=dict)
+    # what a causal LM is asked (`hf_fedtask.model.instructions`): the builtin tasks' question; empty for
+    # a dataset whose input column already holds the whole prompt
+    instruction: str = ""
 
     def __post_init__(self):
         for split in ("train", "test"):
@@ -65,6 +68,7 @@ class TaskInfo:
     modality: str = "text"
     chance: float | None = None
     group: str | None = None
+    instruction: str = ""
 
     @property
     def num_labels(self) -> int:

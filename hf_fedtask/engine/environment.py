@@ -61,7 +61,7 @@ def build_host(config: RunConfig, shared_head: int = 0) -> PeftHost:
         lora_dropout=config.lora_dropout,
         target_modules=config.target_modules,
         num_virtual_tokens=config.num_virtual_tokens,
-        modality=input_kind(base).modality,
+        modality=input_kind(base).kind,
         backbone=backbone_name(base) if config.peft_method == "full" else None,
     )
     device = resolve_device(config.device)
@@ -107,7 +107,12 @@ class Environment:
 
     @cached_property
     def host(self) -> PeftHost:
-        return build_host(self.config, shared_head=self.output_space.width)
+        host = build_host(self.config, shared_head=self.output_space.width)
+        refusal = self.strategy.capabilities.classifier_only
+        if host.causal_lm and refusal:
+            raise ConfigError(f"strategy {self.strategy.name!r} does not run on the causal LM "
+                              f"{self.config.base_model}: {refusal}")
+        return host
 
     def task_view(self, params: TaskVector, task: str) -> TaskVector:
         """A task's parameters as its own classifier: under a shared output space, the head cut to

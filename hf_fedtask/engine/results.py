@@ -28,13 +28,16 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
     config, strategy = env.config, env.strategy
     final = history[-1]["eval"] if history and "eval" in history[-1] else Server(env).evaluate(state, transport, stores)
     compact = Server(env).evaluate_compact(state)  # the storage-saving export's own accuracy, reported beside
+    generated = Server(env).evaluate_generation(state, stores) if config.generation_eval else {}
     reference = shipped_reference(config.base_model)
     tasks = {}
     for t in env.tasks:
         r = {**final[t.name], "metric": t.metric, "num_labels": t.num_labels, "label_names": t.label_names,
-             "chance": t.chance, "group": t.group}
+             "chance": t.chance, "group": t.group, **({"instruction": t.instruction} if t.instruction else {})}
         if t.name in compact:
             r[f"{t.metric}_compact"] = compact[t.name]
+        if t.name in generated:
+            r["exact_match"] = generated[t.name]
         if t.name in reference and reference[t.name].get(t.metric):
             r["individual_centralized"] = reference[t.name][t.metric]
             r["normalized"] = r[t.metric] / r["individual_centralized"]
@@ -42,9 +45,11 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
                 r["normalized_compact"] = compact[t.name] / r["individual_centralized"]
         tasks[t.name] = r
     normalized = [r["normalized"] for r in tasks.values() if "normalized" in r]
-    compact_summary = {"mean_metric_compact": float(np.mean(list(compact.values())))} if compact else {}
+    summary_extra = {"mean_metric_compact": float(np.mean(list(compact.values())))} if compact else {}
+    if generated:
+        summary_extra["mean_exact_match"] = float(np.mean(list(generated.values())))
     if compact and len(normalized) == len(tasks):
-        compact_summary["mean_normalized_compact"] = float(np.mean([r["normalized_compact"] for r in tasks.values()]))
+        summary_extra["mean_normalized_compact"] = float(np.mean([r["normalized_compact"] for r in tasks.values()]))
     return {
         "strategy": strategy.name,
         "strategy_paper": strategy.paper,
@@ -63,7 +68,7 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
         "mean_metric": float(np.mean([r[r["metric"]] for r in tasks.values()])),
         **nonlinear_mean(final, env.tasks),
         "mean_normalized": float(np.mean(normalized)) if len(normalized) == len(tasks) else None,
-        **compact_summary,
+        **summary_extra,
         "bytes_uplink": sum(h["bytes_uplink"] for h in history),
         "bytes_downlink": sum(h["bytes_downlink"] for h in history),
         "shared_parameters": sum(t.numel() for t in state.vectors.get(SHARED, {}).values()),
@@ -99,5 +104,6 @@ def unlearning_summary(history: list[dict], env: Environment, state: GlobalState
 
 def task_infos(results: dict, modality: str) -> list[TaskInfo]:
     """The tasks a results.json describes (label names, metric, chance, group), without their data."""
-    return [TaskInfo(name, tuple(r["label_names"]), r["metric"], modality, r.get("chance"), r.get("group"))
+    return [TaskInfo(name, tuple(r["label_names"]), r["metric"], modality, r.get("chance"), r.get("group"),
+                     r.get("instruction", ""))
             for name, r in results["tasks"].items()]

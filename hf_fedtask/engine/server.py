@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_fedtask.client.evaluation import predict, score
+from hf_fedtask.client.evaluation import generation_exact_match, predict, score
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.core.state import GlobalState
 from hf_fedtask.core.taskvector import TaskVector
@@ -27,6 +27,7 @@ from hf_fedtask.engine.secure import SecureAggregation, parse_seeds
 from hf_fedtask.engine.transport import Transport
 from hf_fedtask.errors import ConfigError, FedTaskError
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
+from hf_fedtask.strategies.base import aggregation_diagnostics
 
 EMPTY = TaskVector({}).to_bytes()
 
@@ -67,6 +68,11 @@ class Server:
             if t.modality != env.host.inputs.modality:
                 raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
                                   f"takes {env.host.inputs.modality}")
+            if env.host.causal_lm:
+                env.host.inputs.check_room(t)
+        if self.config.generation_eval and not env.host.causal_lm:
+            raise ConfigError(f"generation_eval: base model {env.host.base.model_id} is a classifier; greedy answers "
+                              "are scored for a causal LM only")
         if self.config.mixed_precision != "no" and self.strategy.capabilities.linearized:
             raise ConfigError(f"mixed_precision {self.config.mixed_precision}: strategy {self.strategy.name!r} "
                               "trains a linearized model through forward-mode AD (torch.func.jvp), which autocast "
@@ -136,7 +142,7 @@ class Server:
                                                                             transport))]  # the sum only
         state = strategy.server_aggregate(state, updates)
         evals = self.evaluate(state, transport) if evaluate else None
-        return state, self._record(round_, kind, received, failed, updates, evals, traffic, start)
+        return state, self._record(round_, kind, received, failed, updates, evals, traffic, start, state)
 
     def _key_exchange(self, state, round_, clients, transport) -> tuple[SecureAggregation, list[int]]:
         first = clients[0]
@@ -166,9 +172,12 @@ class Server:
         write_atomic(folder / f"client_{client}.uplink.safetensors", uplink)
         write_atomic(folder / f"client_{client}.downlink.safetensors", downlink)
 
-    def _record(self, round_, kind, received, failed, updates, evals, traffic, start) -> dict:
+    def _record(self, round_, kind, received, failed, updates, evals, traffic, start, state=None) -> dict:
+        """The round's metrics record; `aggregation`: what the strategy's aggregation measured (its returned
+        `AggregatedState`'s diagnostics, e.g. FedAvg's `lora_factor_error`), where it measured anything."""
         losses = [v for u in updates for k, v in u.metrics.items() if k.endswith("train_loss")]
         forget = self.forgotten_tasks
+        aggregation = aggregation_diagnostics(state) if state is not None else {}
         record = {
             "round": round_,
             **({"kind": kind} if kind != TRAIN else {}),
@@ -178,6 +187,7 @@ class Server:
             **(self._scores(evals) if evals is not None else {}),
             **({"forgotten_tasks": forget} if forget else {}),
             **({"forgotten_clients": self.forgotten_clients} if self.forgotten_clients else {}),
+            **({"aggregation": aggregation} if aggregation else {}),
             "bytes_uplink": sum(t["uplink"] for t in traffic.values()),
             "bytes_downlink": sum(t["downlink"] for t in traffic.values()),
             "bytes_per_client": {str(c): t for c, t in traffic.items()},
@@ -233,6 +243,15 @@ class Server:
         return {t.name: score(predict(host, view(self.strategy.compact_task_parameters(state, t.name), t.name),
                                       self.env.test_data(t.name), batch),
                               self.env.test_data(t.name), t.metric)[t.metric]
+                for t in self.env.tasks}
+
+    def evaluate_generation(self, state: GlobalState, stores: dict | None = None) -> dict[str, float]:
+        """Each task's exact match of greedy answers with its label words (`generation_eval`, a causal LM
+        only): what a stock text-generation pipeline answers, where the metric scores choices."""
+        host = self.env.host
+        return {t.name: generation_exact_match(host, self.env.task_view(self.strategy.task_parameters(
+                    state, t.name, stores), t.name), self.env.test_data(t.name), t.label_names,
+                    self.config.eval_batch_size)
                 for t in self.env.tasks}
 
     def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,

@@ -47,6 +47,21 @@ class RunExport:
     classifier_config: object | None = None  # the classifier's transformers config (labels set per task)
     processor: object | None = None  # tokenizer or image processor, saved beside each adapter
     output_space: OutputSpace | None = None  # a shared head is cut to each task's rows (None: per-task heads)
+    causal_lm: bool = False  # the base is a causal LM answering instructions: cards show the prompt, no classifier/
+
+    def card_modality(self, task: Task) -> str:
+        """What a task's card describes: "causal_lm", or the classifier's input modality."""
+        return "causal_lm" if self.causal_lm else task.modality
+
+    def prompt_info(self, task: Task) -> dict:
+        """A causal LM's card entries for `task`: its prompt template and answer words (empty otherwise)."""
+        if not self.causal_lm:
+            return {}
+        from hf_fedtask.model.instructions import label_words, prompt_template, user_message
+
+        words = label_words(task.label_names)
+        return {"prompt_template": prompt_template(self.processor, task.instruction, words), "label_words": words,
+                "user_message": user_message(task.instruction, words, "{input}")}
 
     def task_view(self, params: TaskVector, task: str) -> TaskVector:
         """`params` as `task`'s own classifier (`OutputSpace.task_view`)."""
@@ -83,7 +98,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
             "num_clients": results["num_clients"],
             "participation": spec.config.participation,
             "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
-            "modality": task.modality,
+            "modality": spec.card_modality(task),
+            **spec.prompt_info(task),
             "extra_notes": " ".join(filter(None, [
                 (f"Inputs are tokenized with truncation to {spec.config.max_length} tokens." if task.modality == "text"
                  else "Images are converted to RGB, then prepared by the base model's image processor."),
@@ -93,7 +109,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         cards[task.name] = render_model_card(info)
         params = spec.task_view(spec.strategy.task_parameters(state, task.name, spec.stores), task.name)
         labelled = (classifier_config_for(spec.classifier_config, task.label_names, spec.base_model_id)
-                    if spec.classifier_config is not None else None)
+                    if spec.classifier_config is not None and not spec.causal_lm else None)
         save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
                      base_model_id=spec.base_model_id, card=cards[task.name], classifier_config=labelled,
                      processor=spec.processor)
@@ -193,7 +209,7 @@ def _multi_adapter_card(spec: RunExport, results: dict, metrics: dict) -> str:
         "num_clients": results["num_clients"],
         "participation": spec.config.participation,
         "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
-        "modality": spec.tasks[0].modality,
+        "modality": spec.card_modality(spec.tasks[0]),
         "extra_notes": (f"**One adapter per task** (PEFT multi-adapter layout): `{first}` at the root, every other "
                         f"task in its subfolder, `tasks.json` lists them with their label names. Sharing variant: "
                         f"`{spec.strategy.config.share}`. Load and switch:\n\n{snippet}\n\n"

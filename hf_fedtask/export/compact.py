@@ -81,7 +81,8 @@ def save_compact(
     """Write the compact export of the tasks in `masks` (their order is kept) and return the folder.
 
     `init` and `unified` map the shared PEFT keys (saved naming) to tensors of equal shape and dtype;
-    `masks[t]` maps the same keys to bool tensors; `heads[t]` maps the head keys to task t's head.
+    `masks[t]` maps the same keys to bool tensors; `heads[t]` maps the head keys to task t's head (empty
+    for every task of a causal LM, which answers in words: `label_names` then give each task's outputs).
     With one head shared by all tasks, `heads[t]` are empty, `head_keys` name that head's keys among
     the shared ones and `head_rows[t]` is the slice of its outputs task t's adapter carries.
     `base_model_id` is recorded in adapter_config.json (a Hub id keeps the export portable). The
@@ -150,6 +151,8 @@ def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names,
     if head_rows is not None:
         return _check_shared_head(tasks, init, heads, label_names, head_rows, head_keys)
     head_keys = list(heads[tasks[0]])
+    if not any(heads[t] for t in tasks) and all(label_names.get(t) for t in tasks):
+        return {t: len(label_names[t]) for t in tasks}  # no heads: a causal LM answers in its label words
     if not head_keys or set(head_keys) & set(init):
         raise ValueError("heads must be non-empty and disjoint from the shared keys")
     num_labels = {}
@@ -283,7 +286,7 @@ class _CompactFolder:
             return TaskVector({k: v[rows[0]:rows[1]] if k in self.head_keys else v for k, v in state.items()})
         prefix = f"{task}{_HEAD_SEP}"
         head = {k[len(prefix):]: v for k, v in self.heads.items() if k.startswith(prefix)}
-        if not head:
+        if not head and self.heads:  # (an export without any head is a causal LM's: its words are its outputs)
             raise TaskVectorError(f"{self.folder / HEADS_FILE}: no head for task {task!r}")
         return TaskVector({**state, **head})
 

@@ -37,7 +37,11 @@ INFO_KEYS = {
     "datasets": "Hub dataset id per task, {task: dataset_id}; tasks without one are listed by name.",
     "license": "License id, e.g. 'apache-2.0'.",
     "tags": "Extra tags for the Hub.",
-    "modality": "'text' (default) or 'image': sets the pipeline tag and the loading snippet.",
+    "modality": "'text' (default), 'image' or 'causal_lm' (a causal LM answering instructions): sets the pipeline "
+                "tag and the loading snippet.",
+    "prompt_template": "causal_lm: the whole prompt, chat template applied, with {input} where the example goes.",
+    "label_words": "causal_lm: the words the model answers with, one per label.",
+    "user_message": "causal_lm: the user turn sent to the chat template, with {input} where the example goes.",
     "extra_notes": "Free Markdown appended as a Notes section.",
 }
 _BASE_TAGS = ["hf-fedtask", "federated-learning", "peft"]
@@ -45,6 +49,7 @@ _BASE_TAGS = ["hf-fedtask", "federated-learning", "peft"]
 _MODALITIES = {
     "text": ("text-classification", "AutoModelForSequenceClassification", "AutoTokenizer", "tokenizer"),
     "image": ("image-classification", "AutoModelForImageClassification", "AutoImageProcessor", "processor"),
+    "causal_lm": ("text-generation", "AutoPeftModelForCausalLM", "AutoTokenizer", "tokenizer"),
 }
 
 
@@ -141,9 +146,11 @@ def _card_context(info: Mapping) -> dict:
     )
 
     method = f"{peft_method} adapter" if peft_method else "PEFT adapter"
+    what = {"image": "classifies images into", "text": "classifies text into",
+            "causal_lm": "answers an instruction with one of"}[modality]
     summary = (
         f"A {method} for [`{info['base_model']}`](https://huggingface.co/{info['base_model']}) "
-        f"that classifies {'images' if modality == 'image' else 'text'} into {num_labels} classes "
+        f"that {what} {num_labels} {'words' if modality == 'causal_lm' else 'classes'} "
         f"for the task{'s' if len(tasks) > 1 else ''} "
         f"{', '.join(f'`{t}`' for t in tasks)}. It was trained by federated fine-tuning with "
         f"`hf_fedtask`{f' using the **{strategy}** strategy' if strategy else ''}: clients train the "
@@ -171,6 +178,10 @@ def _card_context(info: Mapping) -> dict:
         "auto_model": auto_model,
         "auto_processor": auto_processor,
         "processor_name": processor_name,
+        "causal_lm": modality == "causal_lm",
+        "prompt_template": info.get("prompt_template"),
+        "label_words": info.get("label_words"),
+        "user_message": info.get("user_message"),
     }
 
 

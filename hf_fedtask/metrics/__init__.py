@@ -1,5 +1,5 @@
 """The run's metrics, computed by `evaluate` modules shipped in this package (loaded by path, so
-offline): `accuracy` and `f1_macro` (the `f1` module with average="macro").
+offline): `accuracy`, `f1_macro` (the `f1` module with average="macro") and `exact_match` (strings).
 
     from hf_fedtask.metrics import load_metric
     load_metric("accuracy").compute(predictions=[0, 1], references=[0, 0])  # {'accuracy': 0.5}
@@ -19,6 +19,7 @@ MODULES_DIR = Path(__file__).parent
 METRICS = {  # run metric -> (evaluate module file, compute kwargs, result key)
     "accuracy": ("accuracy.py", {}, "accuracy"),
     "f1_macro": ("f1.py", {"average": "macro"}, "f1"),
+    "exact_match": ("exact_match.py", {}, "exact_match"),  # a causal LM's greedy answers against its label words
 }
 
 

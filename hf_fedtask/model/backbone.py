@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.embedded_llm import EMBEDDED_LLM
+from hf_fedtask.model.instructions import InstructionInputs
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -81,7 +83,15 @@ def _small_network(name: str) -> Callable[[], Path]:
     return build
 
 
-MODEL_BUILDERS = {name: _small_network(name) for name in ("hf-fedtask/small-cnn", "hf-fedtask/small-mlp")}
+def _tiny_llama() -> Path:
+    from hf_fedtask.data.builtin import cache_root
+    from hf_fedtask.model.tiny_llama import materialize
+
+    return materialize(cache_root())
+
+
+MODEL_BUILDERS = {**{name: _small_network(name) for name in ("hf-fedtask/small-cnn", "hf-fedtask/small-mlp")},
+                  "hf-fedtask/tiny-llama": _tiny_llama}
 """Base models hf_fedtask builds itself (seeded, written to the cache once), by name."""
 
 
@@ -94,6 +104,10 @@ def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
 
         ensure_placed_once()  # so stock loaders resolve the Hub id offline too (exports name it)
         return BaseModelRef(str(path), DEFAULT_BASE_MODEL, f"sha256:{DEFAULT_WEIGHTS_SHA256}")
+    if name == EMBEDDED_LLM:  # SmolLM2-135M-Instruct, converted into the Hub cache on first use
+        from hf_fedtask.model.embedded_llm import embedded_llm_ref
+
+        return embedded_llm_ref()
     if name in MODEL_BUILDERS:
         path = MODEL_BUILDERS[name]()
         return BaseModelRef(str(path), name, f"sha256:{file_sha256(path / 'model.safetensors')}")
@@ -104,10 +118,25 @@ def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
     return BaseModelRef(name, model_id or name, "main")
 
 
-class TextInputs:
+class ClassifierInputs:
+    """What the classifier kinds share: training and scoring batches are alike, and a prediction is
+    the argmax of the classification logits."""
+
+    group_by_length = False
+
+    @property
+    def eval_collator(self):
+        return self.collator
+
+    def predict_batch(self, model, batch: dict):
+        """Each example's label: the argmax of the classifier's logits (labels in `batch` are ignored)."""
+        return model(**{k: v for k, v in batch.items() if k != "labels"}).logits.argmax(-1)
+
+
+class TextInputs(ClassifierInputs):
     """Text model inputs: token ids truncated to `max_length`, padded per batch by the collator."""
 
-    modality = "text"
+    modality = kind = "text"
     auto_model = "AutoModelForSequenceClassification"
     # PEFT then adds the head (classifier/score) to modules_to_save
     peft_head: ClassVar[dict] = {"task_type": "SEQ_CLS"}
@@ -129,11 +158,12 @@ class TextInputs:
         """Padded tensors for raw texts, ready for `model(**batch)`."""
         return self.processor(texts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt")
 
-    def prepare(self, dataset: Dataset, input_column: str, label_column: str) -> Dataset:
+    def prepare(self, dataset: Dataset, task) -> Dataset:
         """Token ids + `labels`, every other column dropped, computed once by an in-memory map."""
         import datasets
 
         tokenizer, max_length = self.processor, self.max_length
+        input_column, label_column = task.text_column, task.label_column
 
         def encode(batch):
             enc = tokenizer(batch[input_column], truncation=True, max_length=max_length)
@@ -155,11 +185,11 @@ class TextInputs:
                 datasets.enable_progress_bars()
 
 
-class ImageInputs:
+class ImageInputs(ClassifierInputs):
     """Image model inputs: RGB `pixel_values` of the processor's fixed size, stacked by the default
     collator. Grayscale, palette and RGBA images become RGB, as EMR-Merging's `trans_gray` does."""
 
-    modality = "image"
+    modality = kind = "image"
     auto_model = "AutoModelForImageClassification"
     peft_head: ClassVar[dict] = {"modules_to_save": ["classifier"]}  # PEFT has no image-classification task type
 
@@ -180,10 +210,11 @@ class ImageInputs:
         rgb = [image.convert("RGB") for image in images]
         return {"pixel_values": self.processor(rgb, return_tensors="pt")["pixel_values"]}
 
-    def prepare(self, dataset: Dataset, input_column: str, label_column: str) -> Dataset:
+    def prepare(self, dataset: Dataset, task) -> Dataset:
         """`pixel_values` + `labels`, computed on access by `with_transform` instead of stored by a map:
         float32 pixels take 600 KB per 224x224 image (36 GB for MNIST's train split alone), while the
         encoded images stay small. Works for partial reads such as `data["labels"]`."""
+        input_column, label_column = task.text_column, task.label_column
         data = dataset.select_columns([input_column, label_column])
         if label_column != "labels":
             data = data.rename_column(label_column, "labels")
@@ -197,19 +228,23 @@ class ImageInputs:
         return data.with_transform(to_model_inputs)
 
 
-INPUT_KINDS = {kind.modality: kind for kind in (TextInputs, ImageInputs)}
+INPUT_KINDS = {kind.kind: kind for kind in (TextInputs, ImageInputs, InstructionInputs)}
+"""Input preparers by kind: a text or image classifier, or a causal LM answering instructions."""
 
 
 @cache
-def input_kind(ref: BaseModelRef) -> type[TextInputs | ImageInputs]:
-    """The one modality switch: `ImageInputs` when the base config is a vision-only classifier
-    architecture (ViT, DeiT, Swin, ...), else `TextInputs`."""
+def input_kind(ref: BaseModelRef) -> type[TextInputs | ImageInputs | InstructionInputs]:
+    """The one switch between kinds of base model: `InstructionInputs` when the checkpoint is a causal
+    LM (its config's `architectures` names a `...ForCausalLM` class), `ImageInputs` when it is a
+    vision-only classifier architecture (ViT, DeiT, Swin, ...), else `TextInputs`."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     )
 
     config = base_config(ref)
+    if any(name.endswith("ForCausalLM") for name in config.architectures or ()):
+        return InstructionInputs
     model_type = config.model_type
     vision = model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES or _registered_image_model(config)
     return ImageInputs if vision and model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES else TextInputs
@@ -232,13 +267,13 @@ def _registered_image_model(config) -> bool:
 
 
 def classifier_class(ref: BaseModelRef):
-    """The `AutoModelFor...Classification` class that loads this base model."""
+    """The `AutoModelFor...` class (a classifier, or the causal LM) that loads this base model."""
     import transformers
 
     return getattr(transformers, input_kind(ref).auto_model)._model_mapping[type(base_config(ref))]
 
 
-def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageInputs:
+def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageInputs | InstructionInputs:
     """The input preparer for the base model: its tokenizer or its image processor."""
     return input_kind(ref).load(ref, max_length)
 
@@ -246,18 +281,18 @@ def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageIn
 def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str | None = None, *,
                     quantization=None, device=None):
     """The modality's `AutoModelFor...Classification` with a fresh head of `num_labels` outputs (a
-    checkpoint's own head, e.g. ImageNet's 1,000 classes, is replaced). `quantization`: a
-    `BitsAndBytesConfig` (`quantization_config`), the model then loaded onto `device` and prepared for
-    k-bit training by peft."""
+    checkpoint's own head, e.g. ImageNet's 1,000 classes, is replaced); a causal LM as it is (its LM
+    head answers in words; `num_labels` is unused). `quantization`: a `BitsAndBytesConfig`
+    (`quantization_config`), the model then loaded onto `device` and prepared for k-bit training by peft."""
+    import torch
     import transformers
     from transformers.utils import logging as hf_logging
 
-    kwargs = {"num_labels": num_labels, "ignore_mismatched_sizes": True}
+    causal_lm = input_kind(ref) is InstructionInputs
+    kwargs = {"dtype": torch.float32} if causal_lm else {"num_labels": num_labels, "ignore_mismatched_sizes": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if quantization is not None:
-        import torch
-
         kwargs.update(quantization_config=quantization, device_map={"": device}, dtype=torch.float32)
     auto_model = getattr(transformers, input_kind(ref).auto_model)
     verbosity = hf_logging.get_verbosity()
@@ -266,7 +301,8 @@ def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str
         model = auto_model.from_pretrained(ref.load_path, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
-    model.config.problem_type = "single_label_classification"
+    if not causal_lm:
+        model.config.problem_type = "single_label_classification"
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 

@@ -70,8 +70,8 @@ class PeftHost:
         self.peft_config = peft_config
         self.inputs = load_inputs(base, max_length)
         if peft_config.task_type != self.inputs.peft_head.get("task_type"):
-            raise ConfigError(f"{base.model_id} takes {self.inputs.modality} inputs: build its PEFT config with "
-                              f"make_peft_config(..., modality={self.inputs.modality!r})")
+            raise ConfigError(f"{base.model_id} takes {self.inputs.kind} inputs: build its PEFT config with "
+                              f"make_peft_config(..., modality={self.inputs.kind!r})")
         torch.manual_seed(seed)  # the PEFT init (e.g. LoRA A) is the shared, seeded starting point
         try:
             classifier = load_classifier(base, 2, attn_implementation, quantization=quantization, device=device)
@@ -83,12 +83,21 @@ class PeftHost:
             self.model.to(device)  # a quantized base was loaded onto the device; its PEFT layers follow it
         self._heads = [m for name, m in self.model.named_modules()
                        if isinstance(m, ModulesToSaveWrapper) and name.rpartition(".")[2] in HEAD_MODULES]
-        if len(self._heads) != 1:
+        if len(self._heads) != (0 if self.causal_lm else 1):  # a causal LM's own LM head answers, in words
             raise ValueError(f"expected one classification head in modules_to_save, found {len(self._heads)}")
+        if self.causal_lm and shared_head:
+            raise ConfigError("output_space: a causal LM answers every task in words (no classification head); "
+                              "use output_space per_task")
         keys = list(get_peft_model_state_dict(self.model))
         self.head_keys = [k for k in keys if HEAD_MODULES & set(k.split("."))]
         self.shared_keys = [k for k in keys if k not in self.head_keys]
         self._keys = set(keys)
+
+    @property
+    def causal_lm(self) -> bool:
+        """Whether the base is a causal LM answering instructions (no classification head: tasks'
+        heads are empty and every trainable parameter is a shared PEFT module)."""
+        return self.inputs.kind == "causal_lm"
 
     @property
     def device(self) -> torch.device:
@@ -122,7 +131,8 @@ class PeftHost:
     def load_state(self, state: TaskVector) -> None:
         """Copy `state` (shared keys + head keys, saved naming) into the active adapter; resizes its
         head to the shape in `state`, so tasks with different label counts share one model."""
-        self._resize_head(state[self.head_keys[0]].shape[0])
+        if self.head_keys:
+            self._resize_head(state[self.head_keys[0]].shape[0])
         unknown = [k for k in state if k not in self._keys]
         if unknown:
             raise KeyError(f"unexpected parameter {unknown[0]!r} for this PEFT model")
@@ -188,8 +198,8 @@ class PeftHost:
 
     def initial_head(self, num_labels: int, seed: int) -> TaskVector:
         """A fresh head for a task, initialised as the backbone's own classifier init would be; empty
-        when the head is shared (it is part of `initial_shared`)."""
-        return TaskVector({}) if self.shared_head else self._fresh_head(num_labels, seed)
+        when the head is shared (it is part of `initial_shared`) and for a causal LM (none)."""
+        return TaskVector({}) if self.shared_head or not self.head_keys else self._fresh_head(num_labels, seed)
 
     def _fresh_head(self, num_labels: int, seed: int) -> TaskVector:
         in_features = self._heads[0].modules_to_save[self._heads[0].active_adapter].in_features
@@ -210,4 +220,4 @@ class PeftHost:
         if task.modality != self.inputs.modality:
             raise ConfigError(f"task {task.name!r} has {task.modality} inputs but base model {self.base.model_id} "
                               f"takes {self.inputs.modality}")
-        return self.inputs.prepare(dataset, task.text_column, task.label_column)
+        return self.inputs.prepare(dataset, task)

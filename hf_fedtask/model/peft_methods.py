@@ -29,7 +29,8 @@ def make_peft_config(
     backbone: str | None = None,
 ) -> PeftConfig:
     """A PEFT config whose `modules_to_save` holds the classification head: text models use PEFT's
-    SEQ_CLS task type (which adds the head itself), image models name their `classifier` explicitly.
+    SEQ_CLS task type (which adds the head itself), image models name their `classifier` explicitly,
+    and a causal LM (`modality="causal_lm"`, the input kind) has PEFT's CAUSAL_LM type and no head.
     `target_modules=None` takes PEFT's per-architecture defaults (query/value for BERT); PEFT has
     none for ViT, whose query/value projections transformers 5 names q_proj/v_proj. "bottleneck" is
     hf_fedtask's Houlsby adapter (`hf_fedtask.model.bottleneck`), `r` its bottleneck width; its defaults
@@ -54,7 +55,7 @@ def make_peft_config(
         return LoraConfig(target_modules=DUMMY_TARGET_MODULES, **{**head, "modules_to_save": modules})
     if method == "probe":
         return LoraConfig(target_modules=DUMMY_TARGET_MODULES, **head)
-    if method in ("prompt", "prefix") and modality != "text":
+    if method in ("prompt", "prefix") and modality == "image":
         raise ConfigError(
             f"peft_method {method!r} prepends virtual tokens and needs a text model; use lora, ia3 or bottleneck"
         )

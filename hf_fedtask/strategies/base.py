@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", "ClientRemoval", "ClientStore",
            "CompactExport", "GlobalState", "Linearized", "Packaging", "Strategy", "StrategyConfig", "as_point",
            "average_heads", "build_strategy", "configured_capabilities", "fedavg_shared", "head_name",
-           "hooks_declared", "register_strategy", "shared_mean", "task_model", "task_point", "updates_by_task"]
+           "hooks_declared", "register_strategy", "shared_mean", "task_model", "task_point", "updates_by_task",
+           "AggregatedState", "aggregation_diagnostics"]
 
 TRAIN, QUERY, EVALUATE = "train", "query", "evaluate"
 """Message kinds: train (a client update), query (statistics or gradients, no training), evaluate."""
@@ -78,6 +79,8 @@ class Capabilities:
     personalization: bool = True  # FedAvg+Local fine-tuning from the task models
     linearized: bool = False  # evaluated as a linearized model (and exported as one beside the adapter): `Linearized`
     client_removal: bool = False  # a client removed from a finished run on the server alone: `ClientRemoval`
+    # why the strategy needs a classifier's outputs and so refuses a causal LM (None: it runs on one too)
+    classifier_only: str | None = None
     # + compact (`CompactExport`), multi_adapter (per-task modules), linearized, tct (`Packaging`)
     exports: tuple[str, ...] = ("adapters",)
 
@@ -222,6 +225,21 @@ class Strategy(ABC):
     # -- server -------------------------------------------------------------------------------------
     @abstractmethod
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState: ...
+
+
+@dataclass
+class AggregatedState(GlobalState):
+    """A state as `server_aggregate` may return it: with what the aggregation measured (`diagnostics`,
+    JSON-able, e.g. FedAvg's LoRA factor error), which the round's metrics record carries under
+    `aggregation`. They describe how the state was reached, not the state: never checkpointed, and
+    `next` leaves them behind."""
+
+    diagnostics: dict = field(default_factory=dict, compare=False)
+
+
+def aggregation_diagnostics(state: GlobalState) -> dict:
+    """What the aggregation that produced `state` measured ({} for a plain `GlobalState`)."""
+    return dict(state.diagnostics) if isinstance(state, AggregatedState) else {}
 
 
 # -- hooks: what a capability needs beyond the functions above ----------------------------------------

@@ -121,7 +121,10 @@ class F2L2(Strategy, Linearized, ClientRemoval):
              "(arXiv:2306.02216)")
     config_class = F2L2Config
     capabilities = Capabilities(linearized=True, client_removal=True, exports=("adapters", "linearized"),
-                                personalization=False)
+                                personalization=False, classifier_only=(
+                                    "its certified removal takes Newton steps on the Hessian of a linearized "
+                                    "classifier's cross-entropy over its class outputs, the convex loss its "
+                                    "guarantee is stated for; a causal LM's next-token loss is not that loss"))
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)

@@ -9,11 +9,21 @@ Federated unlearning (NTKFedAvg's Alg. 1, lines 8–9) is part of the server ste
 clients holding a task in `forget_tasks`, or listed in `forget_clients`, are negated before
 aggregation. With `track_task_vectors`, the server also keeps each task's accumulated share of the
 shared modules' movement (`task_vector/<task>`), the task vector a one-shot negation subtracts.
+
+LoRA (`lora_aggregation`, FedAvg and FedProx): by default A and B are averaged on their own (FedIT-style
+factor averaging, as FlowerTune and OpenFedLLM do), and each round reports how far B̄·Ā lands from the
+exact step of the products (`lora_factor_error`). `product` takes that exact step instead: the global
+B·A moves by α times the sample-weighted mean of the clients' changes of B_i·A_i, re-factorized to rank r
+by a truncated SVD computed from the factors (FlexLoRA: Bai et al., 2024; `hf_fedtask.merge.lora_product`),
+reporting the truncation's residual (`lora_truncation_residual`). Unlearning negates a client's change of
+the product there. NTKFedAvg and NTKFedProx do not offer it: their clients train a model affine in A and B
+(the linearized network, or L-LoRA), for which averaging the factors is already exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,8 +33,11 @@ from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import tracked_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge.lora_product import as_factors, factor_step_error, lora_pairs, product_step
 from hf_fedtask.strategies.base import (
     SHARED,
+    AggregatedState,
     Capabilities,
     ClientJob,
     GlobalState,
@@ -41,20 +54,55 @@ if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
 
+FACTORS, PRODUCT = "factors", "product"
+LORA_AGGREGATIONS = (FACTORS, PRODUCT)
+
+
 @dataclass
 class FedAvgConfig(StrategyConfig):
+    """The options of FedAvg's server step, shared by the family built on it (NTKFedAvg, NTKFedProx)."""
+
     server_lr: float = option(1.0, "server step size α: the state moves by α times the mean update")
     forget_tasks: list[str] | None = option(None, "unlearning: negate the updates of the clients holding these tasks")
     forget_clients: list[int] | None = option(None, "unlearning: negate the updates of these clients", minimum=0)
     track_task_vectors: bool = option(False, "keep each task's accumulated vector (for one-shot negation)")
 
 
+@dataclass
+class FedAvgLoRAConfig(FedAvgConfig):
+    """FedAvg's options with the LoRA aggregation (the strategies whose model is the LoRA product itself)."""
+
+    lora_aggregation: str = option(FACTORS, "how LoRA's A and B are aggregated: factors (each averaged on its own, "
+                                   "as FedIT does) or product (the exact mean of the clients' B·A, re-factorized "
+                                   "to rank r by a truncated SVD, as FlexLoRA does)", choices=LORA_AGGREGATIONS)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.lora_aggregation == PRODUCT and self.track_task_vectors:
+            raise ConfigError("strategy options: track_task_vectors needs lora_aggregation factors (product "
+                              "re-factorizes the LoRA modules every round, so no task's share of their movement "
+                              "adds up)")
+
+
 @register_strategy
 class FedAvg(Strategy):
     name = "fedavg"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
-    config_class = FedAvgConfig
+    config_class = FedAvgLoRAConfig
     capabilities = Capabilities(federated_unlearning=True, task_vector_tracking=True)
+
+    @property
+    def lora_aggregation(self) -> str:
+        """`lora_aggregation` where the strategy offers it (`FedAvgLoRAConfig`); "factors" for the family
+        members that do not."""
+        return self.config.lora_aggregation if isinstance(self.config, FedAvgLoRAConfig) else FACTORS
+
+    def check_run(self, config) -> None:
+        super().check_run(config)
+        if self.lora_aggregation == PRODUCT and config.peft_method != "lora":
+            raise ConfigError(f"lora_aggregation product averages LoRA's B·A products: peft_method "
+                              f"{config.peft_method!r} has no LoRA factors (use peft_method lora, or "
+                              "lora_aggregation factors)")
 
     def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
         """Extra `LocalTrainer.train` arguments for `task` (an objective, a linearization point)."""
@@ -71,11 +119,15 @@ class FedAvg(Strategy):
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         c = self.config
-        updates = negate_forgotten(updates, c.forget_tasks or (), c.forget_clients or ())
-        vectors = {SHARED: fedavg_shared(state, updates, c.server_lr), **average_heads(state, updates, c.server_lr)}
+        signs = [-1.0 if forgotten(u, c.forget_tasks or (), c.forget_clients or ()) else 1.0 for u in updates]
+        negated = negate_forgotten(updates, c.forget_tasks or (), c.forget_clients or ())
+        vectors = {SHARED: fedavg_shared(state, negated, c.server_lr), **average_heads(state, negated, c.server_lr)}
         if c.track_task_vectors:
-            vectors.update(accumulate_task_vectors(state, updates, c.server_lr))
-        return state.next(vectors)
+            vectors.update(accumulate_task_vectors(state, negated, c.server_lr))
+        vectors[SHARED], diagnostics = aggregate_lora(state.vectors[SHARED], updates, vectors[SHARED],
+                                                      self.lora_aggregation, c.server_lr, signs)
+        new = state.next(vectors)
+        return AggregatedState(new.round, new.vectors, new.scalars, diagnostics=diagnostics)
 
 
 def delta_update(downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer,
@@ -88,13 +140,60 @@ def delta_update(downlink: dict[str, TaskVector], job: ClientJob, trainer: Local
     return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
 
 
+def forgotten(update: ClientUpdate, tasks: Iterable[str], clients: Iterable[int] = ()) -> bool:
+    """Whether unlearning negates `update`: its client holds a task in `tasks` or is listed in `clients`."""
+    return bool(set(tasks) & set(update.num_samples)) or update.client_id in set(clients)
+
+
 def negate_forgotten(updates: list[ClientUpdate], tasks: Iterable[str],
                      clients: Iterable[int] = ()) -> list[ClientUpdate]:
     """Unlearning by negation: every vector of a client holding a task in `tasks`, or listed in
     `clients`, flips sign, so aggregation moves the model away from what its training would add."""
     tasks, clients = set(tasks), set(clients)
     return [dataclasses.replace(u, vectors={k: -v for k, v in u.vectors.items()})
-            if tasks & set(u.num_samples) or u.client_id in clients else u for u in updates]
+            if forgotten(u, tasks, clients) else u for u in updates]
+
+
+def aggregate_lora(shared: TaskVector, updates: list[ClientUpdate], averaged: TaskVector, mode: str,
+                   server_lr: float = 1.0, signs: list[float] | None = None) -> tuple[TaskVector, dict]:
+    """The LoRA pairs of the shared modules after a FedAvg step, and what the step measured. Each client's
+    factors are rebuilt as the global ones (`shared`) plus its change in `updates` (as sent, σ_i = −1 in
+    `signs` where unlearning negates it), weighted by its sample count. `mode` "factors": `averaged` (the
+    factor means FedAvg computed) as it is, with `lora_factor_error`, ‖M − B̄·Ā‖_F / ‖M‖_F over all pairs
+    together (M: the exact step of the products, `hf_fedtask.merge.lora_product.step_terms`). "product":
+    each pair replaced by M re-factorized to the pair's rank (`product_step`), with
+    `lora_truncation_residual`, ‖M − M_r‖_F / ‖M‖_F over all pairs. Keys other than LoRA factors keep
+    `averaged`'s values. Clients and server share one rank and α here, so LoRA's scaling α/r is common to
+    every term and cancels (scaling 1). Returns (`averaged` or its updated copy, {} for a state without
+    LoRA factors in "factors" mode)."""
+    try:
+        pairs = lora_pairs(shared)
+    except ValueError as e:
+        raise ConfigError(f"LoRA aggregation: {e}") from None
+    if not pairs:
+        if mode == PRODUCT:
+            raise ConfigError("lora_aggregation product: the shared modules hold no LoRA factors (lora_A/lora_B); "
+                              "use lora_aggregation factors for this PEFT method")
+        return averaged, {}
+    weights = [u.total_samples for u in updates]
+    out, error, total = dict(averaged), 0.0, 0.0
+    for a_key, b_key in pairs:
+        start = as_factors(shared[b_key], shared[a_key])
+        clients = [as_factors(shared[b_key] + u.vectors[SHARED][b_key], shared[a_key] + u.vectors[SHARED][a_key])
+                   for u in updates]
+        if mode == PRODUCT:
+            step = product_step(start, clients, weights, [1.0] * len(clients), rank=start[1].shape[0], scaling=1.0,
+                                server_lr=server_lr, signs=signs)
+            out[a_key], out[b_key] = step.A.reshape(shared[a_key].shape), step.B.reshape(shared[b_key].shape)
+            error, total = error + step.discarded, total + step.total
+        else:
+            e, t = factor_step_error(start, clients, weights, as_factors(averaged[b_key], averaged[a_key]),
+                                     server_lr=server_lr, signs=signs)
+            error, total = error + e, total + t
+    value = math.sqrt(error / total) if total > 0 else 0.0
+    if mode == PRODUCT:
+        return TaskVector(out), {"lora_truncation_residual": value}
+    return averaged, {"lora_factor_error": value}
 
 
 def accumulate_task_vectors(state: GlobalState, updates: list[ClientUpdate], server_lr: float) -> dict[str, TaskVector]:
@@ -133,14 +232,21 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
 
 @dataclass
 class FedProxConfig(FedAvgConfig):
+    """FedProx's options beside FedAvg's step (shared with NTKFedProx)."""
+
     proximal_mu: float = option(0.01, "FedProx's μ: clients add (μ/2)·‖θ − θ_s‖² to their loss", minimum=0)
+
+
+@dataclass
+class FedProxLoRAConfig(FedAvgLoRAConfig, FedProxConfig):
+    """FedProx's options with the LoRA aggregation."""
 
 
 @register_strategy
 class FedProx(FedAvg):
     name = "fedprox"
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
-    config_class = FedProxConfig
+    config_class = FedProxLoRAConfig
 
     def _train_options(self, downlink, job, task) -> dict:
         options = super()._train_options(downlink, job, task)

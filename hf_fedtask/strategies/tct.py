@@ -182,7 +182,9 @@ class TCT(Strategy, Packaging):
     paper = ("Yu, Wei, Karimireddy, Ma and Jordan, TCT: Convexifying Federated Learning using Bootstrapped Neural "
              "Tangent Kernels, NeurIPS 2022")
     config_class = TCTConfig
-    capabilities = Capabilities(personalization=False, exports=("adapters", "tct"))
+    capabilities = Capabilities(personalization=False, exports=("adapters", "tct"), classifier_only=(
+        "its stage 2 regresses one-hot targets on eNTK features of a per-task classification head's C outputs; a "
+        "causal LM's outputs are its whole vocabulary, whose eNTK features would not fit in memory"))
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
