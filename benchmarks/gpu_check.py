@@ -608,7 +608,10 @@ def llm_config(ctx: Context, base: Path, device: str, precision: str = "no", str
     cfg = dict(strategy=strategy, suite=None, tasks=tasks, base_model=str(base), base_model_id=LLM_MODEL_ID,
                rounds=rounds, participation=1.0, max_train_samples=s["llm_train"], max_test_samples=s["llm_test"],
                max_length=s["llm_max_length"], batch_size=s["llm_batch"], device=device, mixed_precision=precision,
-               seed=0, eval_every=rounds, strategy_options=dict(options))
+               seed=0, eval_every=rounds, strategy_options=dict(options),
+               # SGD: AdamW's first steps move a zero-initialized LoRA B by about ±lr whatever its gradient's size,
+               # so device and CPU rounding of near-zero gradients would show as 1e-2 relative differences of B
+               optimizer="sgd", learning_rate=5e-2)
     cfg.update({k: v(cfg.get(k)) if callable(v) else v for k, v in overrides.items()}, **extra)
     return cfg
 

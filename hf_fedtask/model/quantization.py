@@ -12,6 +12,11 @@ import torch
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.host import HEAD_MODULES  # kept in full precision: the heads are trained and exported
 
+# what stays unquantized: the classification heads, and a causal LM's output layer (`lm_head`, which shares
+# its weight with the input embeddings in tied models such as SmolLM2: a given skip list replaces
+# transformers' own, which would name it, and bitsandbytes fails on a tied 4-bit lm_head)
+SKIP_MODULES = sorted(HEAD_MODULES | {"lm_head"})
+
 
 def quantization_config(load_in_4bit: bool, load_in_8bit: bool, *, peft_method: str, device: torch.device,
                         mixed_precision: str = "no"):
@@ -31,5 +36,5 @@ def quantization_config(load_in_4bit: bool, load_in_8bit: bool, *, peft_method: 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
     if load_in_4bit:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute, llm_int8_skip_modules=sorted(HEAD_MODULES))
-    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=sorted(HEAD_MODULES))
+                                  bnb_4bit_compute_dtype=compute, llm_int8_skip_modules=SKIP_MODULES)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=SKIP_MODULES)
