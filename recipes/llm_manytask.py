@@ -71,16 +71,19 @@ METHODS = {
     "individual": {"strategy": "fedyolo", "zeta": 0.0},  # one client per task: its module never leaves it
 }
 INDIVIDUAL = "individual"
+DIAGNOSTICS = {"lora_factor_error": "LoRA factor error", "lora_truncation_residual": "truncation residual"}
 
 
 def aggregation_error(run_dir: Path) -> dict:
-    """The rounds' mean LoRA aggregation diagnostics (metrics.jsonl's `aggregation`)."""
+    """The LoRA aggregation diagnostics of metrics.jsonl's `aggregation`: their mean over rounds, and
+    each round's under `<name>_per_round`."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     values: dict[str, list[float]] = {}
     for record in records:
         for key, value in (record.get("aggregation") or {}).items():
             values.setdefault(key, []).append(value)
-    return {key: float(np.mean(v)) for key, v in values.items()}
+    return {**{key: float(np.mean(v)) for key, v in values.items()},
+            **{f"{key}_per_round": v for key, v in values.items()}}
 
 
 def rows_of(results: dict[str, dict], output_dir: Path) -> list[dict]:
@@ -122,11 +125,18 @@ def markdown(rows: list[dict], notes: str) -> str:
             lines.append(f"| {row['method']} (compact export, {row['compact_ratio']:.3f}× the bytes of "
                          f"separate adapters) | " + " | ".join("" for _ in tasks)
                          + f" | {100 * row['mean_compact']:.1f} | | | | | |")
+    for row in rows:
+        for key, what in DIAGNOSTICS.items():
+            if f"{key}_per_round" in row:
+                lines.append(f"\n{row['method']}: {what} per round: "
+                             + ", ".join(f"{v:.4f}" for v in row[f"{key}_per_round"]))
     return "\n".join(lines)
 
 
-def protocol_note(base) -> str:
-    return (f"builtin-8 as instructions on {base.base_model} + {base.peft_method} r={base.lora_r}; {base.num_clients} "
+def protocol_note(base, kind: str) -> str:
+    tasks = base.suite or ", ".join(Path(t).name for t in base.tasks)
+    how = "as instructions on" if kind == "causal_lm" else "on the classifier"
+    return (f"{tasks} {how} {base.base_model} + {base.peft_method} r={base.lora_r}; {base.num_clients} "
             f"clients, ζ_t = {base.zeta}, participation {base.participation}; {base.rounds} rounds × "
             f"{base.local_steps} steps per held task (batch {base.batch_size}, lr {base.learning_rate}); "
             f"{base.max_train_samples} training / {base.max_test_samples} test samples per task; seed {base.seed}. "
@@ -153,7 +163,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(base.output_dir)
     rows = rows_of(results, out)
-    md = markdown(rows, protocol_note(base))
+    md = markdown(rows, protocol_note(base, kind))
     write_atomic(out / "comparison.md", md + "\n")
     write_atomic(out / "comparison.json", json.dumps(rows, indent=2) + "\n")
     plot_comparison({"builtin-8": rows}, out / "comparison.png")

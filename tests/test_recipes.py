@@ -219,3 +219,26 @@ def test_recipe_threads_replace_accelerates_default_but_respect_the_user(tmp_pat
     assert set_threads(1) == "1 (--threads)"
     with pytest.raises(ConfigError, match="--threads"):
         set_threads(0)
+
+
+def test_llm_recipe_table_normalizes_by_individual_and_reports_lora_errors(tiny_tasks_dir, tmp_path, capsys):
+    out = tmp_path / "llm"
+    flags = ["--base-model", "hf-fedtask/tiny-llama", "--suite", "", "--tasks", *tiny_tasks_dir, "--num-clients", "2",
+             "--participation", "1.0", "--rounds", "2", "--eval-every", "2", "--local-steps", "2", "--max-length", "128", "--min-samples", "4",
+             "--max-train-samples", "48", "--max-test-samples", "8", "--output-dir", str(out)]
+    assert load_recipe("llm_manytask").main(flags) == 0
+    rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())}
+    assert list(rows) == ["fedavg", "fedavg_product", "matu", "fedyolo", "individual"]
+    results = {m: json.loads((out / m / "results.json").read_text()) for m in rows}
+    individual = {t: r["accuracy"] for t, r in results["individual"]["tasks"].items()}
+    for method, row in rows.items():
+        acc = {t: r["accuracy"] for t, r in results[method]["tasks"].items()}
+        assert row["normalized"] == pytest.approx(
+            sum(acc[t] / individual[t] for t in acc if individual[t] > 0) / sum(v > 0 for v in individual.values()))
+        assert row["exact_match"] == results[method]["mean_exact_match"]
+    assert results["individual"]["config"]["zeta"] == 0.0 and results["individual"]["strategy"] == "fedyolo"
+    assert len(rows["fedavg"]["lora_factor_error_per_round"]) == 2 and rows["fedavg"]["lora_factor_error"] > 0
+    assert len(rows["fedavg_product"]["lora_truncation_residual_per_round"]) == 2
+    assert "compact_ratio" in rows["matu"] and (out / "comparison.png").exists()
+    md = (out / "comparison.md").read_text()
+    assert "fedavg: LoRA factor error per round" in md and "exact match" in md
