@@ -257,3 +257,16 @@ def test_an_exported_builtin_task_keeps_its_instruction(tmp_path, capsys):
     assert main(["suite", "export", "builtin-8", str(tmp_path / "suite")]) == 0
     task = load_task(str(tmp_path / "suite" / "vader_polarity"))
     assert task.instruction == "Do people rate this word as negative or positive?"
+
+
+def test_push_uploads_a_causal_lm_adapter_folder_unchanged(trained_llm, hub_stub):
+    from pathlib import Path
+
+    from hf_fedtask.export.hub import push_to_hub
+
+    endpoint, store = hub_stub
+    folder = Path(trained_llm[0].output_dir) / "adapters" / "moods"
+    push_to_hub(folder, "me/llm-moods", token="hf_test", endpoint=endpoint)
+    assert store.repos["me/llm-moods"] == {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert {"chat_template.jinja", "tokenizer.json", "README.md", "adapter_model.safetensors"} <= set(
+        store.repos["me/llm-moods"])
