@@ -74,6 +74,26 @@ def test_quick_mode_prints_its_ratios(script):
         assert re.search(rf"^RATIO matfl .*per-client state {NUMBER} MiB", stdout, re.MULTILINE).group(1) != "0.000"
 
 
+def test_client_overhead_quick_on_the_tiny_llama():
+    """client_overhead.py's causal-LM mode on the tiny Llama (seconds, mostly imports): one client round
+    through LocalTrainer (group_by_length, answer-only loss) against the bare PEFT loop on the same
+    batches; the ratio line parses and both took the same steps (same batches, losses and parameters)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "client_overhead.py"), "--quick",
+                          "--base-model", "hf-fedtask/tiny-llama"],
+                         cwd=BENCHMARKS, env=env, capture_output=True, text=True, timeout=600)
+    print(out.stdout)
+    assert out.returncode == 0, f"tiny-llama --quick exited {out.returncode}:\n{out.stderr[-3000:]}"
+    match = re.search(SCRIPTS["client_overhead.py"][0][0], out.stdout, re.MULTILINE)
+    assert match, out.stdout[-3000:]
+    assert math.isfinite(float(match.group(1))) and float(match.group(1)) > 0, match.group(0)
+    assert re.search(r"^config: hf-fedtask/tiny-llama \(causal LM\) .*group_by_length, answer-only loss, 3 steps",
+                     out.stdout, re.MULTILINE), out.stdout[-3000:]
+    same = re.search(r"^SAME STEPS ours vs bare: batches identical, .* -> (PASS|FAIL)$", out.stdout, re.MULTILINE)
+    assert same and same.group(1) == "PASS", out.stdout[-3000:]
+
+
 @pytest.mark.slow
 def test_gpu_check_quick_on_the_cpu(tmp_path):
     """benchmarks/gpu_check.py --device cpu --quick runs every section end to end (0.5-2 min on 2

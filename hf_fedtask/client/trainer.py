@@ -92,11 +92,32 @@ class _LearningRateSum(TrainerCallback):
 class _ObjectiveTrainer(Trainer):
     """Trainer whose loss goes through the strategy's local objectives (`hf_fedtask.client.objectives`)."""
 
-    def __init__(self, *args, objectives: Sequence[Objective] = (), params: dict | None = None, **kwargs):
+    def __init__(self, *args, objectives: Sequence[Objective] = (), params: dict | None = None,
+                 group_by_length: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.group_by_length = group_by_length
         self.objectives = list(objectives)
         for objective in self.objectives:
             objective.start(params or {})
+
+    def _get_train_sampler(self, train_dataset=None):
+        """transformers' `LengthGroupedSampler`, its lengths read from the Arrow column at once: Trainer
+        reads them row by row, decoding every column (10-18 ms per round for 400 rows,
+        benchmarks/client_overhead.py). The same lengths, so the same batches."""
+        data = self.train_dataset if train_dataset is None else train_dataset
+        if not self.group_by_length or not isinstance(data, Dataset) or "input_ids" not in data.column_names:
+            return super()._get_train_sampler(train_dataset)
+        import pyarrow.compute as pc
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        lengths = pc.list_value_length(data.with_format("arrow")["input_ids"]).to_pylist()
+        return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
+                                    dataset=data, lengths=lengths)
+
+    def floating_point_ops(self, inputs) -> int:
+        """0: Trainer counts each step's FLOPs by walking every parameter (4-6 ms a step on SmolLM2), for a
+        total hf_fedtask never reads."""
+        return 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.objectives:
@@ -171,6 +192,7 @@ class LocalTrainer:
             data_collator=self.collator,
             objectives=objectives,
             params=self.host.trainable_by_name() if objectives else None,
+            group_by_length=self.host.inputs.group_by_length,
         )
         trainer.remove_callback(PrinterCallback)  # the simulator reports progress; no per-client prints
         lr_sum = _LearningRateSum()
