@@ -202,6 +202,23 @@ def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_stock_reload_matches(federation, state, tiny_bert_dir: str, adapter_dir: Path) -> None:
+    """The exported `colors` adapter, reloaded with stock transformers + PEFT over the tiny BERT, gives the
+    logits the run's host model gives with the task's parameters of `state`."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert_dir)
+    batch = tok(["red apple number 5", "blue sky number 9", "green leaf"], padding=True, return_tensors="pt")
+    federation.host.load_state(federation.strategy.task_parameters(state, "colors"))
+    federation.host.model.eval()
+    with torch.no_grad():
+        expected = federation.host.model(**batch).logits
+        base = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=3)
+        loaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+        assert torch.equal(loaded(**batch).logits, expected)
+
+
 def tensors_equal(a: dict, b: dict) -> bool:
     """Same keys, and every tensor equal."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

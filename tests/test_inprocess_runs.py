@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Crash, crash_after
+from conftest import Crash, assert_stock_reload_matches, crash_after
 from safetensors.torch import load_file
 
 from hf_fedtask.cli import main
@@ -37,8 +37,6 @@ def test_run_writes_metrics_results_checkpoint_and_peft_adapters(tiny_config):
 
 
 def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_config, tiny_bert_dir):
-    from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     federation.run(tiny_config)
     run_dir = Path(tiny_config.output_dir)
@@ -46,15 +44,7 @@ def test_exported_adapter_reloads_with_stock_peft_to_identical_logits(tiny_confi
     from hf_fedtask.core.checkpoint import load_checkpoint
 
     state, _, _ = load_checkpoint(run_dir, fingerprint=tiny_config.fingerprint(), template=sim.initial_state())
-    tok = AutoTokenizer.from_pretrained(tiny_bert_dir)
-    batch = tok(["red apple number 5", "blue sky number 9", "green leaf"], padding=True, return_tensors="pt")
-    sim.host.load_state(sim.strategy.task_parameters(state, "colors"))
-    sim.host.model.eval()
-    with torch.no_grad():
-        expected = sim.host.model(**batch).logits
-        base = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=3)
-        loaded = PeftModel.from_pretrained(base, run_dir / "adapters" / "colors").eval()
-        assert torch.equal(loaded(**batch).logits, expected)
+    assert_stock_reload_matches(sim, state, tiny_bert_dir, run_dir / "adapters" / "colors")
 
 
 def test_standalone_evaluation_matches_results_json(tiny_config, tiny_tasks_dir):

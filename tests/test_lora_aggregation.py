@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Crash, crash_after, make_config, read_records
+from conftest import Crash, assert_stock_reload_matches, crash_after, make_config, read_records
 from safetensors.torch import load_file
 
 from hf_fedtask.config import RunConfig
@@ -292,8 +292,6 @@ def test_family_members_without_the_option_aggregate_factors():
 
 def test_a_product_run_finishes_resumes_exactly_and_exports_stock_peft_adapters(tiny_bert_dir, tiny_tasks_dir,
                                                                                   tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hf_fedtask.engine.inprocess import Federation
     from hf_fedtask.engine.run import run
@@ -325,15 +323,7 @@ def test_a_product_run_finishes_resumes_exactly_and_exports_stock_peft_adapters(
     shared = state.vectors["shared"]
     pairs = lora_pairs(shared)
     assert pairs and all(shared[a_key].shape[0] == config.lora_r for a_key, _ in pairs)
-    tok = AutoTokenizer.from_pretrained(tiny_bert_dir)
-    batch = tok(["red apple number 5", "blue sky number 9", "green leaf"], padding=True, return_tensors="pt")
-    fed.host.load_state(fed.strategy.task_parameters(state, "colors"))
-    fed.host.model.eval()
-    with torch.no_grad():
-        expected = fed.host.model(**batch).logits
-        base = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=3)
-        loaded = PeftModel.from_pretrained(base, straight / "adapters" / "colors").eval()
-        assert torch.equal(loaded(**batch).logits, expected)
+    assert_stock_reload_matches(fed, state, tiny_bert_dir, straight / "adapters" / "colors")
 
 
 def test_a_default_fedavg_run_records_the_factor_error(finished_fedavg, tiny_bert_dir, tiny_tasks_dir, tmp_path):

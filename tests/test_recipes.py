@@ -223,8 +223,9 @@ def test_recipe_threads_replace_accelerates_default_but_respect_the_user(tmp_pat
 
 def test_llm_recipe_table_normalizes_by_individual_and_reports_lora_errors(tiny_tasks_dir, tmp_path, capsys):
     out = tmp_path / "llm"
-    flags = ["--base-model", "hf-fedtask/tiny-llama", "--suite", "", "--tasks", *tiny_tasks_dir, "--num-clients", "2",
-             "--participation", "1.0", "--rounds", "2", "--eval-every", "2", "--local-steps", "2", "--max-length", "128", "--min-samples", "4",
+    flags = ["--base-model", "hf-fedtask/tiny-llama", "--suite", "", "--tasks", *tiny_tasks_dir,
+             "--num-clients", "2", "--participation", "1.0", "--rounds", "2", "--eval-every", "2",
+             "--local-steps", "2", "--max-length", "128", "--min-samples", "4",
              "--max-train-samples", "48", "--max-test-samples", "8", "--output-dir", str(out)]
     assert load_recipe("llm_manytask").main(flags) == 0
     rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())}

@@ -57,6 +57,26 @@ class Task:
         return max(labels.count(c) for c in set(labels)) / len(labels)
 
 
+def prepared(dataset, encode, key: str):
+    """`dataset.map(encode)` in memory, batched, every original column dropped and without a progress bar
+    (hundreds of tiny maps: one bar each would drown the run's own), fingerprinted by the dataset's
+    fingerprint and `key` (what else decides the result): otherwise `datasets` dill-hashes `encode`'s
+    closure, tokenizer included, on every call."""
+    import hashlib
+
+    import datasets
+
+    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{key}".encode()).hexdigest()[:16]
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
+                           new_fingerprint=fingerprint)
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
 @dataclass(frozen=True)
 class TaskInfo:
     """What a task is without its data (names, labels, metric): enough to lay out, export and card a

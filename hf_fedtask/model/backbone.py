@@ -160,7 +160,7 @@ class TextInputs(ClassifierInputs):
 
     def prepare(self, dataset: Dataset, task) -> Dataset:
         """Token ids + `labels`, every other column dropped, computed once by an in-memory map."""
-        import datasets
+        from hf_fedtask.data.task import prepared
 
         tokenizer, max_length = self.processor, self.max_length
         input_column, label_column = task.text_column, task.label_column
@@ -170,19 +170,8 @@ class TextInputs(ClassifierInputs):
             enc["labels"] = batch[label_column]
             return enc
 
-        # An explicit fingerprint: otherwise `datasets` dill-hashes the whole tokenizer on every call.
-        fingerprint = hashlib.sha256(
-            f"{dataset._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{input_column}|{label_column}"
-            .encode()
-        ).hexdigest()[:16]
-        was_enabled = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()  # hundreds of tiny maps: one bar each would drown the run's own
-        try:
-            return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
-                               new_fingerprint=fingerprint)
-        finally:
-            if was_enabled:
-                datasets.enable_progress_bars()
+        return prepared(dataset, encode,
+                        f"{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{input_column}|{label_column}")
 
 
 class ImageInputs(ClassifierInputs):

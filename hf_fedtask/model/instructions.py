@@ -22,7 +22,6 @@ memory (lm-evaluation-harness does, for whole models behind its own model classe
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -135,7 +134,7 @@ class InstructionInputs:
 
     def prepare(self, dataset: Dataset, task) -> Dataset:
         """Model inputs, `prompt_length`, `choice_ids` and `labels`, computed once by an in-memory map."""
-        import datasets
+        from hf_fedtask.data.task import prepared
 
         words = label_words(task.label_names)
         choices = self.choice_ids(words)
@@ -147,18 +146,8 @@ class InstructionInputs:
             enc["choice_ids"] = [choices] * len(enc["labels"])
             return enc
 
-        fingerprint = hashlib.sha256(
-            f"{dataset._fingerprint}|{self.processor.name_or_path}|{len(self.processor)}|{self.max_length}|"
-            f"{instruction}|{words}|{text_column}|{label_column}".encode()
-        ).hexdigest()[:16]
-        was_enabled = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
-        try:
-            return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
-                               new_fingerprint=fingerprint)
-        finally:
-            if was_enabled:
-                datasets.enable_progress_bars()
+        return prepared(dataset, encode, f"{self.processor.name_or_path}|{len(self.processor)}|{self.max_length}|"
+                                         f"{instruction}|{words}|{text_column}|{label_column}")
 
     def batch(self, texts: list[str], instruction: str = "", words: Sequence[str] = ()) -> dict:
         """Left-padded prompt tensors for raw texts, ready for `model.generate(**batch)`."""
