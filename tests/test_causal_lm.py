@@ -270,3 +270,13 @@ def test_push_uploads_a_causal_lm_adapter_folder_unchanged(trained_llm, hub_stub
     assert store.repos["me/llm-moods"] == {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     assert {"chat_template.jinja", "tokenizer.json", "README.md", "adapter_model.safetensors"} <= set(
         store.repos["me/llm-moods"])
+
+
+def test_standalone_evaluation_of_a_causal_lm_adapter_equals_results_json(trained_llm, tiny_tasks_dir):
+    from pathlib import Path
+
+    from hf_fedtask.export.standalone import evaluate_adapter
+
+    config, results = trained_llm
+    got = evaluate_adapter(Path(config.output_dir) / "adapters" / "colors", tiny_tasks_dir[0], max_length=128)
+    assert got["accuracy"] == results["tasks"]["colors"]["accuracy"]

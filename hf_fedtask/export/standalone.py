@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from hf_fedtask.errors import ConfigError, FedTaskError
 from hf_fedtask.export.adapter import CLASSIFIER_SUBFOLDER, load_adapter_base, read_adapter_folder
@@ -26,11 +27,12 @@ def load_adapter_model(adapter_dir: str | Path):
 
 def _load_adapter(adapter_dir: str | Path, max_length: int = 32):
     """`(PeftModel, input preparer)`; see `load_adapter_model`."""
-    from peft import PeftModel
-
     adapter_dir = Path(adapter_dir)
     config, tensors = read_adapter_folder(adapter_dir)
     head = [k for k in tensors if k.endswith(("classifier.weight", "score.weight"))]
+    if config.get("task_type") == "CAUSAL_LM":  # a causal LM answers in words: no head to size
+        ref, base = load_adapter_base(config["base_model_name_or_path"], 0, adapter_dir)
+        return _peft_model(base, adapter_dir, config["base_model_name_or_path"]), load_inputs(ref, max_length)
     if not head:
         raise ConfigError(f"{adapter_dir / 'adapter_model.safetensors'}: no classification head "
                           "(classifier.weight) in the adapter")
@@ -40,11 +42,16 @@ def _load_adapter(adapter_dir: str | Path, max_length: int = 32):
     if labels is not None and len(labels) == tensors[head[0]].shape[0]:
         base.config.id2label = dict(enumerate(labels))
         base.config.label2id = {name: i for i, name in enumerate(labels)}
+    return _peft_model(base, adapter_dir, base_id), load_inputs(ref, max_length)
+
+
+def _peft_model(base, adapter_dir: Path, base_id: str):
+    from peft import PeftModel
+
     try:
-        model = PeftModel.from_pretrained(base, str(adapter_dir))
+        return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         raise FedTaskError(f"{adapter_dir}: does not load onto {base_id} ({str(e).splitlines()[0]})") from None
-    return model.eval(), load_inputs(ref, max_length)
 
 
 def _label_names(adapter_dir: Path) -> list[str] | None:
@@ -70,10 +77,10 @@ def evaluate_adapter(adapter_dir: str | Path, task: str, *, split: str = "test",
     if t.modality != inputs.modality:
         raise ConfigError(f"task {t.name!r} has {t.modality} inputs but the adapter's base model takes "
                           f"{inputs.modality}")
-    data = t.dataset[split]
+    data = inputs.prepare(t.dataset[split], t)  # as a run prepares it: token ids, pixels, or instructions
     device = model_device(model)
-    preds = [model(**to_device(inputs.batch(batch[t.text_column]), device)).logits.argmax(-1).cpu()
-             for batch in data.iter(batch_size)]
-    labels = np.asarray(data[t.label_column])
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=inputs.eval_collator)
+    preds = [inputs.predict_batch(model, to_device(batch, device)).cpu() for batch in loader]
+    labels = np.asarray(data["labels"])
     accuracy = compute("accuracy", labels, torch.cat(preds).numpy())
     return {"task": t.name, "split": split, "accuracy": accuracy, "num_examples": len(labels)}
