@@ -1,6 +1,7 @@
-"""Time per FedAvg round through each engine: in-process, the in-process Flower Grid, and a loopback
-Flower deployment, with the same clients, data and local steps (goal of the issue: the Grid within
-1.15x the in-process engine; the deployment is reported as it is).
+"""Time per FedAvg round through each engine: in-process, the in-process Flower Grid, a loopback Flower
+deployment, and the same deployment with a warm client worker beside each SuperNode, with the same
+clients, data and local steps (goals: the Grid within 1.15x the in-process engine, the deployment with
+warm workers within 1.3x; the deployment without workers is reported as it is).
 
 The job: FedAvg on `builtin-8` with the real embedded MiniLM backbone (the default `base_model`),
 4 clients at zeta 0.5 (builtin-8 has 8 tasks, so 4 clients need zeta > 0: each client holds 2 to 5
@@ -19,6 +20,12 @@ Engines (each runs the whole job with `hf_fedtask.engine.run.run` semantics):
               ClientApp process, which imports torch/transformers/hf_fedtask and rebuilds the
               environment (model, tasks, partition, tokenization) before it trains. The SuperNodes run
               their clients concurrently (here 4 processes on however many cores the box has).
+  warm        the same deployment (its own SuperLink and SuperNodes) with one `hf-fedtask flower worker`
+              per SuperNode (`--node-config "... worker='PATH'"`): each message still starts a ClientApp
+              process, which imports only flwr and forwards the instruction to the node's worker over a
+              Unix socket; the worker imported torch once and keeps its environment across rounds. The
+              SuperNodes run with FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.2 (Flower's default 1 s), as the
+              README's deployment does.
 
 What is timed: every round's `seconds` from metrics.jsonl (the server's round: sampling, the exchange,
 validation, aggregation, evaluation). Round 1 holds one-time work (tokenizing the clients' data and the
@@ -67,6 +74,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,10 +84,11 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_O
                "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_k, _v)
 
-ENGINES = ("inprocess", "grid", "deployment")
+ENGINES = ("inprocess", "grid", "deployment", "warm")
 LABELS = {"inprocess": "in-process", "grid": "flower grid (in-process)", "deployment": "loopback deployment",
-          "deployment_no_startup": "deployment w/o client start-up"}
+          "deployment_no_startup": "deployment w/o client start-up", "warm": "deployment, warm workers"}
 GOAL_GRID = 1.15
+GOAL_WARM = 1.3
 TINY_MODEL_ID = "hf-fedtask-bench/tiny-bert"
 EVENTS_SUFFIX = ".events.jsonl"
 PROBE_MODULE = "hf_fedtask_bench_probe"
@@ -272,6 +281,20 @@ def run_engine(engine: str, config, federation: Federation | None, app_dir: Path
     return analyse(engine, Path(config.output_dir), time.monotonic() - start)
 
 
+def write_probe_worker(folder: Path) -> list[str]:
+    """The command of a worker with the timing probes (then `--socket PATH` is appended)."""
+    script = folder / "probe_worker.py"
+    script.write_text(
+        '"""Written by benchmarks/engine_overhead.py: `hf-fedtask flower worker` with timing probes."""\n'
+        "import sys\n\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import engine_overhead  # noqa: E402\n\n"
+        "engine_overhead.install_probes()\n"
+        "from hf_fedtask.cli import main  # noqa: E402\n\n"
+        "sys.exit(main(['flower', 'worker', *sys.argv[1:]]))\n")
+    return [Path(sys.executable).name, str(script)]
+
+
 # -- analysis -------------------------------------------------------------------------------------------
 def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Length of the union of `intervals` clipped to [lo, hi]."""
@@ -308,6 +331,8 @@ def analyse(engine: str, run_dir: Path, wall: float) -> dict:
         row["cpu"] = (sum(e.get("cpu", 0.0) for e in events if e["ev"] == "round" and e["round"] == r)
                       + sum(h["process_cpu"] for h in events
                             if h["ev"] == "handle" and h["round"] == r and h["process"]))
+        if engine == "warm":  # the workers' CPU while handling (their ClientApp shims are not counted)
+            row["cpu"] += sum(h["cpu"] for h in events if h["ev"] == "handle" and h["round"] == r)
         row["server_other"] = row["seconds"] - row["exchange"] - row["eval"]
         row["client_other"] = row["handle"] - row["train"]
         row["exchange_overhead"] = row["exchange"] - row["handle"]
@@ -366,6 +391,9 @@ def ratios_of(rep: dict) -> dict:
         out["deployment/inprocess"] = rep["deployment"]["per_round"]["seconds"] / b
         out["deployment_no_startup/inprocess"] = rep["deployment"]["per_round"]["without_startup"] / b
         out["deployment/inprocess cpu"] = rep["deployment"]["per_round"]["cpu"] / c
+    if "warm" in rep:
+        out["warm/inprocess"] = rep["warm"]["per_round"]["seconds"] / b
+        out["warm/inprocess cpu"] = rep["warm"]["per_round"]["cpu"] / c
     return out
 
 
@@ -383,9 +411,10 @@ def print_tables(reps: list[dict], startup: float | None) -> dict:
         for e in names:
             s, p = rep[e], rep[e]["per_round"]
             ratio = {"inprocess": 1.0, "grid": ratios.get("grid/inprocess"),
-                     "deployment": ratios.get("deployment/inprocess")}[e]
+                     "deployment": ratios.get("deployment/inprocess"), "warm": ratios.get("warm/inprocess")}[e]
             cpu_ratio = {"inprocess": 1.0, "grid": ratios.get("grid/inprocess cpu"),
-                         "deployment": ratios.get("deployment/inprocess cpu")}[e]
+                         "deployment": ratios.get("deployment/inprocess cpu"),
+                         "warm": ratios.get("warm/inprocess cpu")}[e]
             print(f"{LABELS[e]:<32}{i:>4}{_f(p['seconds'])}{_f(ratio)}{_f(p['cpu'])}{_f(cpu_ratio)}"
                   f"{_f(s['first_round'])}{_f(s['one_time'], 9)}"
                   f"{_f(p['train'])}{_f(p['client_other'], 9)}{_f(p['exchange_overhead'])}"
@@ -472,16 +501,22 @@ def main(argv: list[str] | None = None) -> dict:
         run(make_config(argparse.Namespace(**{**vars(args), "rounds": 1}), workdir / "warmup", model))
         print(f"warm-up run (1 round, in-process, untimed): {time.monotonic() - warm:.1f} s", flush=True)
         deployment = Federation(workdir / "deployment", args.clients) if "deployment" in engines else None
-        with deployment or contextlib.nullcontext() as federation:
-            if federation is not None:
+        warm_federation = (Federation(workdir / "deployment-warm", args.clients, workers=True,
+                                      worker_command=write_probe_worker(workdir), poll_interval=0.2)
+                           if "warm" in engines else None)
+        with deployment or contextlib.nullcontext() as federation, \
+                warm_federation or contextlib.nullcontext() as warm_fed:
+            if federation is not None or warm_fed is not None:
                 app_dir = write_probe_app(workdir / "hf-fedtask-flower")
-                print(f"SuperLink + {args.clients} SuperNodes up in {federation.startup_s:.1f} s", flush=True)
+            for fed, name in ((federation, "deployment"), (warm_fed, "deployment with warm workers")):
+                if fed is not None:
+                    print(f"{name}: SuperLink + {args.clients} SuperNodes up in {fed.startup_s:.1f} s", flush=True)
             for i in range(args.repeat):
                 order = engines[i % len(engines):] + engines[: i % len(engines)]
                 rep = {}
                 for engine in order:
                     config = make_config(args, workdir / f"rep{i + 1}-{engine}", model)
-                    rep[engine] = run_engine(engine, config, federation, app_dir)
+                    rep[engine] = run_engine(engine, config, warm_fed if engine == "warm" else federation, app_dir)
                     rep[engine]["nodes"] = args.clients
                     print(f"  repetition {i + 1}: {engine:<10} {rep[engine]['wall']:7.1f} s wall, "
                           f"{rep[engine]['per_round']['seconds']:6.2f} s/round (load {loadavg()})", flush=True)
@@ -497,6 +532,9 @@ def main(argv: list[str] | None = None) -> dict:
             parts += [f"deployment/in-process {median['deployment/inprocess']:.3f} (CPU time "
                       f"{median['deployment/inprocess cpu']:.3f})",
                       f"deployment w/o client start-up/in-process {median['deployment_no_startup/inprocess']:.3f}"]
+        if "warm/inprocess" in median:
+            parts.append(f"deployment with warm workers/in-process {median['warm/inprocess']:.3f} (goal <= "
+                         f"{GOAL_WARM}; CPU time {median['warm/inprocess cpu']:.3f})")
         print(f"\nratios (median of {len(reps)}): " + ", ".join(parts))
         print(f"load average at end: {load_end}")
         result = {"benchmark": "engine_overhead", "quick": args.quick, "engines": engines, "repeat": args.repeat,
@@ -504,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                            "max_train_samples", "threads")},
                   "base_model": model.get("base_model_id", DEFAULT_BASE_MODEL), "load_start": load_start,
                   "load_end": load_end, "deployment_startup_s": startup, "ratios_median": median,
-                  "ratios": [ratios_of(r) for r in reps], "goal_grid": GOAL_GRID,
+                  "ratios": [ratios_of(r) for r in reps], "goal_grid": GOAL_GRID, "goal_warm": GOAL_WARM,
                   "per_round": [{e: {k: v for k, v in r[e].items() if k != "by_round"} for e in r} for r in reps]}
         print(json.dumps(result))
         return result

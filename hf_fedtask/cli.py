@@ -1,6 +1,8 @@
 """`hf-fedtask`: run, inspect, export, evaluate, push, suite export, merge, unlearn, flower.
 
-Every failure on bad input is one line on stderr and a non-zero exit; nothing on disk is replaced."""
+Every failure on bad input is one line on stderr and a non-zero exit; nothing on disk is replaced.
+Nothing heavy (torch, datasets, transformers, peft) is imported at module level: each command imports
+what it needs inside its function, so `--help` is quick (`tests/test_cli_startup.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 from hf_fedtask.config import add_config_arguments, config_from_args
+from hf_fedtask.data.builtin_tasks import SUITES
 from hf_fedtask.errors import ConfigError, FedTaskError
 
 
@@ -51,6 +54,19 @@ def _typed(value: str) -> bool | int | float | str:
         except ValueError:
             pass
     return value
+
+
+def _flower_worker(args) -> int:
+    from hf_fedtask.engine.flower.worker import serve
+
+    serve(args.socket, threads=args.threads)
+    return 0
+
+
+def _flower_credentials(args) -> int:
+    from hf_fedtask.engine.flower import credentials
+
+    return credentials.main(args)
 
 
 def _flower_app(args) -> int:
@@ -271,25 +287,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run)
 
     p = sub.add_parser("inspect", help="print a task-vector file's metadata, keys, shapes and size")
-    p.add_argument("file")
+    p.add_argument("file", help="a task-vector .safetensors file (TaskVector.save, e.g. a run's task vectors)")
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("export", help="(re)write the PEFT adapters of a run from its checkpoint")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a finished run's folder (the --output-dir of `hf-fedtask run`)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("evaluate", help="evaluate a PEFT adapter folder on a task with stock PEFT")
-    p.add_argument("adapter_dir")
+    p.add_argument("adapter_dir", help="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--task", required=True, help="builtin task name, local dataset path or Hub id")
-    p.add_argument("--split", default="test")
-    p.add_argument("--max-length", type=int, default=32)
+    p.add_argument("--split", default="test", help="the task's split to score (default: test)")
+    p.add_argument("--max-length", type=int, default=32,
+                   help="tokens per text input; use the run's --max-length (default: 32)")
     p.set_defaults(func=_evaluate)
 
     p = sub.add_parser("push", help="push an adapter folder to the Hugging Face Hub")
-    p.add_argument("folder")
-    p.add_argument("--repo-id", required=True)
-    p.add_argument("--token", default=None)
-    p.add_argument("--private", action="store_true")
+    p.add_argument("folder", help="the PEFT adapter folder to upload (with its README.md model card)")
+    p.add_argument("--repo-id", required=True, help="the Hub model repo, created if missing, e.g. user/name")
+    p.add_argument("--token", default=None,
+                   help="a Hub write token (default: HF_TOKEN, else the token `hf auth login` saved)")
+    p.add_argument("--private", action="store_true", help="create the repo as private (an existing one is kept)")
     p.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=_push)
 
@@ -297,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description=MERGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="PEFT adapter folders or task-vector .safetensors files")
     p.add_argument("-o", "--output", required=True, help="output adapter folder")
-    p.add_argument("--method", required=True, choices=("task_arithmetic", "ties", "dare", "unify"))
+    p.add_argument("--method", required=True, choices=("task_arithmetic", "ties", "dare", "unify"),
+                   help="task_arithmetic (weighted sum), ties (trim, elect signs, disjoint mean), dare (random "
+                        "drop and rescale), unify (one unified vector with a mask and a rescaler per input)")
     p.add_argument("--weights", default=None,
                    help="comma-separated, one per input (default 1 each); "
                         "write --weights=-1,2 when the first is negative")
@@ -307,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scope", choices=("tensor", "model"), default="tensor",
                    help="ties trimming: per tensor or whole vector")
     p.add_argument("--seed", type=int, default=0, help="dare's random drop")
-    p.add_argument("--dare-variant", choices=("linear", "ties"), default="linear")
+    p.add_argument("--dare-variant", choices=("linear", "ties"), default="linear",
+                   help="dare: sum the rescaled vectors (linear) or merge them with ties's sign election")
     p.add_argument("--rescaler", choices=("global_sum", "per_tensor_mean"), default="global_sum", help="unify's λ")
     p.add_argument("--base-adapter", default=None,
                    help="adapter folder holding the PEFT init the task vectors start from")
@@ -351,11 +372,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulation SuperLinks: e.g. num-supernodes=4 (one SuperNode per client)")
     f.add_argument("--timeout", type=float, default=None, help="seconds to wait for one exchange's replies")
     f.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the SuperNodes to connect")
-    f.add_argument("--resume", action="store_true")
-    f.add_argument("--overwrite", action="store_true")
+    f.add_argument("--resume", action="store_true", help="continue from the last finished round in --output-dir")
+    f.add_argument("--overwrite", action="store_true", help="delete what --output-dir holds and start over")
     f.set_defaults(func=_flower_run)
+    f = flower_sub.add_parser("worker", help="a warm client worker beside one SuperNode: keeps the client's model, "
+                              "data and tokenized inputs across messages (start the SuperNode with --node-config "
+                              "\"... worker='PATH'\")")
+    f.add_argument("--socket", required=True, help="the Unix socket to listen on (created mode 0600); the same path "
+                   "goes into the SuperNode's --node-config as worker='PATH'")
+    f.add_argument("--threads", type=int, default=None, help="torch threads of the worker (default: torch's choice, "
+                   "or OMP_NUM_THREADS)")
+    f.set_defaults(func=_flower_worker)
+    f = flower_sub.add_parser("credentials", help="a CA, the SuperLink's TLS certificate and one key pair per "
+                              "SuperNode (flower-superlink --enable-supernode-auth), with where each file goes")
+    f.add_argument("folder", metavar="DIR", help="the folder to write the credentials to (new or empty)")
+    f.add_argument("--nodes", type=int, required=True, help="how many SuperNode key pairs to make (one per client)")
+    f.add_argument("--host", action="extend", nargs="+", default=None, metavar="NAME_OR_IP",
+                   help="a DNS name or IP address the SuperNodes and the flwr CLI dial the SuperLink by; the "
+                        "certificate always names localhost, 127.0.0.1 and ::1 too")
+    f.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default 365)")
+    f.add_argument("--overwrite", action="store_true", help="replace the credentials of a non-empty DIR")
+    f.set_defaults(func=_flower_credentials)
     f = flower_sub.add_parser("app", help="write the Flower app folder (pyproject.toml manifest) for `flwr run`")
-    f.add_argument("folder")
+    f.add_argument("folder", help="the app folder to write (its name: letters, digits and hyphens, for flwr build)")
     f.set_defaults(func=_flower_app)
 
     p = sub.add_parser("cache-backbone", help="place the embedded all-MiniLM-L6-v2 into the Hugging Face cache "
@@ -365,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("suite", help="builtin task suites")
     suite_sub = p.add_subparsers(dest="suite_command", required=True)
     s = suite_sub.add_parser("export", help="save each task of a suite with datasets.save_to_disk, with its card")
-    s.add_argument("name")
-    s.add_argument("out_dir")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("name", help=f"the suite: {' | '.join(SUITES)}")
+    s.add_argument("out_dir", help="where to write one dataset folder per task and suite.json")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the tasks' sampled examples and splits; a run with --seed S uses S's (default: 0)")
     s.set_defaults(func=_suite_export)
     return parser
 

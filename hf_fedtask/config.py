@@ -1,13 +1,17 @@
 """`RunConfig`: every setting of a federated run, loadable from YAML and overridable by CLI flags
 (each field `foo_bar` is the flag `--foo-bar`), like torchtune configs or HF `TrainingArguments`.
 
-The strategy's own options live in its config class (`hf_fedtask.strategies`); a run holds the
-strategy name and `strategy_options`. In YAML they may be given nested (`strategy_options:`) or flat
+The strategy's own options live in its config class (`hf_fedtask.strategies.configs`); a run holds
+the strategy name and `strategy_options`. In YAML they may be given nested (`strategy_options:`) or flat
 beside the other keys; an option the chosen strategy does not have is an error.
 
 Each setting has one name throughout hf_fedtask, its field's here (`local_epochs`, `local_steps`,
 `optimizer`, ...); transformers' names (`num_train_epochs`, `max_steps`, `optim`) appear only where the
 local trainer builds its `TrainingArguments` (`hf_fedtask.client.trainer`).
+
+This module imports no torch, datasets, transformers or peft (the names it checks come from light modules:
+`hf_fedtask.core.names`, `hf_fedtask.strategies.configs`), so that `hf-fedtask --help` and config checks
+start in a fraction of a second; `tests/test_cli_startup.py` holds it to that.
 """
 
 from __future__ import annotations
@@ -25,18 +29,12 @@ from pathlib import Path
 import yaml
 
 from hf_fedtask.core.fields import allowed_values, check_fields, field_type, option
-from hf_fedtask.data import SUITES
-from hf_fedtask.data.partition import PARTITIONS
+from hf_fedtask.core.names import MIXED_PRECISIONS, OUTPUT_SPACES, PARTITIONS
+from hf_fedtask.data.builtin_tasks import SUITES
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, PEFT_METHODS
-from hf_fedtask.model.device import MIXED_PRECISIONS
-from hf_fedtask.model.output_space import OUTPUT_SPACES
-from hf_fedtask.strategies import (
-    STRATEGIES,
-    StrategyConfig,
-    build_strategy_config,
-    strategy_class,
-)
+from hf_fedtask.strategies.configs import StrategyConfig
+from hf_fedtask.strategies.registry import build_strategy_config, strategy_config_class, strategy_configs
 
 OPTIMIZERS = ("adamw_torch", "sgd")  # transformers' `optim` names
 # transformers' `lr_scheduler_type` names that need no `lr_scheduler_kwargs` (so not cosine_with_min_lr,
@@ -52,7 +50,7 @@ class RunConfig:
     checked on construction (`hf_fedtask.core.fields`): a bad value is one ConfigError naming it."""
 
     # what to run
-    strategy: str = option("fedavg", "the federated algorithm: " + ", ".join(sorted(STRATEGIES)) +
+    strategy: str = option("fedavg", "the federated algorithm: " + ", ".join(sorted(strategy_configs())) +
                            " (its options: the strategy options below)")
     strategy_options: dict = option({}, "the options set for the strategy (flat flags on the CLI, flat or nested "
                                     "keys in YAML)")
@@ -105,6 +103,26 @@ class RunConfig:
                                           minimum=1)
     exclude_clients: list[int] = option([], "clients that never take part (a retraining reference); at least one "
                                         "client must remain", minimum=0)
+    # client-level differential privacy (hf_fedtask.privacy; McMahan et al. 2018): each client's whole upload
+    # clipped to L2 norm dp_clip, Gaussian noise dp_noise_multiplier·dp_clip on every aggregated sum, uniform
+    # weights, ε at dp_delta accounted by dp-accounting; strategies declaring Capabilities.client_dp only
+    dp_clip: float | None = option(None, "client-level DP: clip each client's whole upload to this L2 norm C (turns "
+                                   "DP on; give --dp-noise-multiplier or --dp-epsilon too)", minimum=0.0,
+                                   exclusive_minimum=True)
+    dp_noise_multiplier: float | None = option(None, "client-level DP: noise multiplier σ, Gaussian noise of std σ·C "
+                                               "on every aggregated sum (ε is reported; 0: clipping only, ε = ∞)",
+                                               minimum=0.0)
+    dp_epsilon: float | None = option(None, "client-level DP: target ε at --dp-delta; σ is calibrated by dp-accounting "
+                                      "before training for the run's rounds and client sampling", minimum=0.0,
+                                      exclusive_minimum=True)
+    dp_delta: float = option(1e-5, "client-level DP: the δ of the (ε, δ) reported or targeted", minimum=0.0,
+                             maximum=1.0, exclusive_minimum=True)
+    dp_noise: str = option("server", "client-level DP: where the noise is drawn: server (central) | clients (each of "
+                           "the h contributors to a sum adds N(0, σ²C²/h); composes with secure aggregation)",
+                           choices=("server", "clients"))
+    dp_noise_seed: int | None = option(None, "client-level DP: seed of the noise, for reproducible tests only: anyone "
+                                       "who knows it can remove the noise (default: a secret os.urandom seed)",
+                                       minimum=0)
     # backdoor protocol (F²L²): one client's training data all carry a trigger and the target label;
     # evaluation adds each task's backdoor success rate on the triggered test inputs of other classes
     backdoor_client: int = option(-1, "backdoor protocol: the client whose training data all carry the trigger and "
@@ -186,7 +204,7 @@ class RunConfig:
     def for_strategy(self, name: str, **overrides) -> RunConfig:
         """This config run with strategy `name` (method comparisons): the strategy options that `name`
         also has carry over, the others are left behind; `overrides` are RunConfig keys or options."""
-        known = {f.name for f in dataclasses.fields(strategy_class(name).config_class)}
+        known = {f.name for f in dataclasses.fields(strategy_config_class(name))}
         options = {k: v for k, v in self.strategy_options.items() if k in known}
         return RunConfig.from_dict({**self.common(), "strategy": name, "strategy_options": options, **overrides},
                                    source=f"strategy {name}")
@@ -206,7 +224,7 @@ class RunConfig:
         """Hash of the settings that define the run's result (not where it is written or for how
         long). Only values that differ from their defaults count, so a release that adds a setting
         (at a default that keeps the old behaviour) still resumes the runs of the previous one."""
-        defaults = {**RunConfig().flat(), **dataclasses.asdict(strategy_class(self.strategy).config_class())}
+        defaults = {**RunConfig().flat(), **dataclasses.asdict(strategy_config_class(self.strategy)())}
         d = {k: v for k, v in self.flat().items() if k not in self.RESUMABLE_CHANGES and v != defaults.get(k)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -227,14 +245,14 @@ class RunConfig:
         strategy = d.get("strategy", cls.strategy)
         if not isinstance(strategy, str):
             raise ConfigError(f"{source}: strategy: expected a string, got {strategy!r}")
-        own = {f.name: f for f in dataclasses.fields(strategy_class(strategy).config_class)}
+        own = {f.name: f for f in dataclasses.fields(strategy_config_class(strategy))}
         for key in [k for k in d if k not in known]:
             value = d.pop(key)
             if key in own:
                 options[key] = value
             elif saved and key in _LEGACY_DEFAULTS and value == _LEGACY_DEFAULTS[key]:
                 continue
-            elif any(key in option_defaults(c) for c in STRATEGIES.values()):
+            elif any(key in option_defaults(c) for c in strategy_configs().values()):
                 build_strategy_config(strategy, {key: value})  # raises: names the strategies that have it
             else:
                 raise ConfigError(f"{source}: unknown key {key!r}")
@@ -256,7 +274,8 @@ class RunConfig:
 
 
 def option_defaults(strategy: type) -> dict:
-    return {f.name: f.default for f in dataclasses.fields(strategy.config_class)}
+    """A strategy's options with their defaults; `strategy` is its class or its config class."""
+    return {f.name: f.default for f in dataclasses.fields(getattr(strategy, "config_class", strategy))}
 
 
 # every strategy option with the default it had as a flat RunConfig key before strategy configs
@@ -280,9 +299,9 @@ def load_yaml(path: str | Path) -> dict:
 def _strategy_option_fields() -> dict[str, tuple[type, dataclasses.Field]]:
     """Every strategy option name -> (config class declaring it, its field), first declaration wins."""
     out = {}
-    for cls in STRATEGIES.values():
-        for f in dataclasses.fields(cls.config_class):
-            out.setdefault(f.name, (cls.config_class, f))
+    for config_class in strategy_configs().values():
+        for f in dataclasses.fields(config_class):
+            out.setdefault(f.name, (config_class, f))
     return out
 
 
@@ -309,7 +328,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             _add_flag(parser, RunConfig, f, f.metadata.get("help") if f.metadata else None)
     group = parser.add_argument_group("strategy options", "each is accepted only by the strategies that have it")
     for name, (cls, f) in _strategy_option_fields().items():
-        owners = sorted(s for s, c in STRATEGIES.items() if name in option_defaults(c))
+        owners = sorted(s for s, c in strategy_configs().items() if name in option_defaults(c))
         _add_flag(group, cls, f, f"{f.metadata.get('help', '')} [{', '.join(owners)}]")
 
 

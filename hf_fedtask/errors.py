@@ -41,3 +41,8 @@ class SecAggError(ProtocolError, ValueError):
 class LinearizationError(FedTaskError, ValueError):
     """The model cannot be linearized (`hf_fedtask.model.linearize`): no trainable parameters, or an op
     without forward-mode AD."""
+
+
+class WorkerError(FedTaskError):
+    """A SuperNode's warm client worker (`hf-fedtask flower worker`) is unreachable, already running,
+    or failed to answer a message."""

@@ -27,6 +27,7 @@ from hf_fedtask.core.checkpoint import CHECKPOINT_FILE, CLIENT_PREFIX
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.flower import app as flower_app
+from hf_fedtask.engine.flower import handler as flower_handler
 from hf_fedtask.engine.flower.launch import launch
 from hf_fedtask.engine.flower.local import InProcessGrid, local_grid_engine, run_server_app
 from hf_fedtask.engine.flower.manifest import manifest
@@ -179,7 +180,7 @@ class _Failing(ClientRuntime):
 
 
 def test_a_client_that_raises_is_reported_with_its_reason(tiny_bert_dir, tiny_tasks_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(flower_app, "ClientRuntime", _Failing)
+    monkeypatch.setattr(flower_handler, "ClientRuntime", _Failing)
     monkeypatch.setattr(_Failing, "failing", {1})
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1)
     drive(config)
@@ -192,7 +193,7 @@ def test_a_client_that_raises_is_reported_with_its_reason(tiny_bert_dir, tiny_ta
 
 def test_a_round_no_client_answers_fails_the_run_with_the_reasons(tiny_bert_dir, tiny_tasks_dir, tmp_path,
                                                                   monkeypatch):
-    monkeypatch.setattr(flower_app, "ClientRuntime", _Failing)
+    monkeypatch.setattr(flower_handler, "ClientRuntime", _Failing)
     monkeypatch.setattr(_Failing, "failing", {0, 1, 2, 3})
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1)
     reason = r"round 1: no client replied \(client 0: Flower error 2: .*disk full on client 0"

@@ -1,5 +1,6 @@
 """The package's import layering: core imports only core and errors, lower layers never import the
-layers above them, and the graph of subpackage-level layers has no cycle."""
+layers above them, and the graph of subpackage-level layers has no cycle. The CLI's start-up path (the
+modules `hf_fedtask.cli` imports at module level, transitively) imports no heavy third-party package."""
 
 from __future__ import annotations
 
@@ -108,3 +109,72 @@ def test_import_graph_is_layered_and_acyclic():
 
     for layer in sorted(layers):
         visit(layer)
+
+
+# third-party packages the CLI's start-up must not import (seconds each: `hf-fedtask --help` stays quick);
+# the commands import them inside their functions
+HEAVY = ("torch", "transformers", "datasets", "peft", "accelerate", "numba", "safetensors", "flwr", "evaluate")
+
+
+def _module_level_imports(path: Path, package: str) -> list[tuple[str, list[str], int, str]]:
+    """(module, names, line, source line) of each import that runs when the module is imported: at module
+    level and in class bodies, under `if`/`try` too, but not in functions nor under `if TYPE_CHECKING:`."""
+    source = path.read_text()
+    lines = source.splitlines()
+    out = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    out.append((a.name, [], node.lineno, lines[node.lineno - 1].strip()))
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                out.append((module, [a.name for a in node.names], node.lineno, lines[node.lineno - 1].strip()))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []))
+
+    visit(ast.parse(source, filename=str(path)).body)
+    return out
+
+
+def test_cli_start_up_imports_nothing_heavy():
+    """Static twin of tests/test_cli_startup.py: following the imports that run at import time from
+    `hf_fedtask.cli` (each module's parent packages included), no module imports a HEAVY package; a
+    violation is reported with the chain of imports that reaches it."""
+    modules = _modules()
+    edges: dict[str, list[tuple[str, int, str]]] = {}
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        edges[name] = []
+        for module, names, line, text in _module_level_imports(path, package):
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules] or [module]
+            for target in targets:
+                parts = target.split(".")  # importing a.b.c runs a, a.b and a.b.c
+                edges[name] += [(".".join(parts[:i]), line, text) for i in range(1, len(parts) + 1)]
+
+    start = "hf_fedtask.cli"
+    reached, queue, violations = {start: None, "hf_fedtask": None}, [start, "hf_fedtask"], []
+    while queue:
+        module = queue.pop(0)
+        for target, line, text in edges.get(module, ()):
+            if target.split(".")[0] in HEAVY:
+                chain, at = [f"{module}:{line}: {text}"], reached[module]
+                while at is not None:
+                    chain.append(f"{at[0]}:{at[1]}: {at[2]}")
+                    at = reached[at[0]]
+                violations.append(" <- ".join(chain))
+            elif target in modules and target not in reached:
+                reached[target] = (module, line, text)
+                queue.append(target)
+    assert {"hf_fedtask.config", "hf_fedtask.strategies.configs", "hf_fedtask.strategies"} <= set(reached)
+    assert "hf_fedtask.strategies.base" not in reached  # the strategies load on first use, not at start-up
+    assert not violations, "\n".join(violations)

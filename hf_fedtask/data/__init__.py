@@ -1,35 +1,42 @@
 """Tasks and the data layer: the builtin offline suites, loading any task reference, partitioning a
-task's data among federated clients, and dataset cards/export."""
+task's data among federated clients, and dataset cards/export.
 
-from hf_fedtask.data.builtin import SUITE_VERSION, load_builtin_task, load_suite
+The builtin tasks' declarations (`BUILTIN_TASKS`, `SUITES`) are light; the rest imports `datasets`
+and is imported on first use (PEP 562 `__getattr__`), so that `RunConfig` and `hf-fedtask --help`
+can name the suites without it."""
+
+import importlib
+
 from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES, BuiltinTask
-from hf_fedtask.data.partition import (
-    build_federation,
-    classes_per_client,
-    dirichlet_classes,
-    iid,
-    task_allocation,
-    task_shares,
-)
-from hf_fedtask.data.sources import load_task
-from hf_fedtask.data.suite_export import export_suite, task_card
-from hf_fedtask.data.task import Task
 
-__all__ = [
-    "BUILTIN_TASKS",
-    "SUITES",
-    "SUITE_VERSION",
-    "BuiltinTask",
-    "Task",
-    "build_federation",
-    "classes_per_client",
-    "dirichlet_classes",
-    "export_suite",
-    "iid",
-    "load_builtin_task",
-    "load_suite",
-    "load_task",
-    "task_allocation",
-    "task_card",
-    "task_shares",
-]
+# name -> the module of hf_fedtask.data that defines it (imported on first use)
+_LAZY = {
+    "SUITE_VERSION": "builtin",
+    "load_builtin_task": "builtin",
+    "load_suite": "builtin",
+    "build_federation": "partition",
+    "classes_per_client": "partition",
+    "dirichlet_classes": "partition",
+    "iid": "partition",
+    "task_allocation": "partition",
+    "task_shares": "partition",
+    "load_task": "sources",
+    "export_suite": "suite_export",
+    "task_card": "suite_export",
+    "Task": "task",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = ["BUILTIN_TASKS", "SUITES", "BuiltinTask", *_LAZY]

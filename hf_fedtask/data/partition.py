@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import numpy as np
 from datasets import Dataset
 
+from hf_fedtask.core.names import PARTITIONS
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import DataError
 
 MAX_DIRICHLET_TRIES = 1000
-PARTITIONS = ("iid", "dirichlet", "classes")
 
 
 def _weights(num_clients: int, weights: Sequence[float] | None) -> np.ndarray:

@@ -19,6 +19,8 @@ from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
 from hf_fedtask.errors import ProtocolError
+from hf_fedtask.privacy.settings import dp_requested
+from hf_fedtask.privacy.upload import SHARES, private_update
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN, ClientJob
 
 
@@ -50,6 +52,9 @@ class ClientRuntime:
                         query=query)
         if ins.kind == TRAIN:
             update = strategy.client_update(downlink, job, env.trainer)
+            if dp_requested(env.config):  # client-level DP: clipped (and, in the clients mode, noised) here
+                update = private_update(strategy, update, job, env.config.dp_clip, ins.config.get(SHARES),
+                                        env.config.dp_noise_seed)
             if "secagg_peers" in ins.config:
                 return self._masked(update, ins)
             return update.to_bytes(**env.header())

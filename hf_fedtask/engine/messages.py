@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
-
-KINDS = (TRAIN, QUERY, EVALUATE)
+from hf_fedtask.core.kinds import KINDS
 
 # queries the engine itself asks (strategies' own queries are any other name)
 SECAGG_PUBLIC_KEY = "secagg/public_key"

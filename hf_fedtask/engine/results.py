@@ -18,6 +18,7 @@ from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.server import Server, nonlinear_mean
 from hf_fedtask.engine.transport import Transport
 from hf_fedtask.model.device import launch, peak_gpu_memory
+from hf_fedtask.privacy.report import privacy_results
 from hf_fedtask.report import evaluated, forgetting
 
 
@@ -74,6 +75,7 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
         "shared_parameters": sum(t.numel() for t in state.vectors.get(SHARED, {}).values()),
         **{k: sum(h.get(k, 0) for h in history) for k in ("params_uplink", "params_downlink")},  # T x M x P
         **unlearning_summary(history, env, state),
+        **privacy_results(Server(env).privacy, history),
     }
 
 

@@ -26,6 +26,10 @@ from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruc
 from hf_fedtask.engine.secure import SecureAggregation, parse_seeds
 from hf_fedtask.engine.transport import Transport
 from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.privacy.aggregation import add_central_noise, clipped_fraction, contributors, uniform
+from hf_fedtask.privacy.noise import CLIENTS
+from hf_fedtask.privacy.settings import PrivacySettings, json_epsilon, resolve_privacy
+from hf_fedtask.privacy.upload import SHARES
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
 from hf_fedtask.strategies.base import aggregation_diagnostics
 
@@ -41,6 +45,8 @@ class Server:
         self.strategy = env.strategy
         self.config = env.config
         self.payload_dir = payload_dir
+        self._privacy: tuple[PrivacySettings | None] | None = None  # resolved once (σ may be calibrated)
+        self._accountant = None
 
     @property
     def num_clients(self) -> int:
@@ -59,11 +65,24 @@ class Server:
         size = min(self.clients_per_round, len(eligible))
         return sorted(int(c) for c in rng.choice(eligible, size=size, replace=False))
 
+    @property
+    def privacy(self) -> PrivacySettings | None:
+        """The run's client-level DP (`dp_*` options) resolved, σ calibrated where a target ε is given; None
+        when off. The accountant's population and sample are `sample_clients`' (the eligible clients, and
+        how many of them each round draws)."""
+        if self._privacy is None:
+            excluded = set(self.config.exclude_clients)
+            population = len([c for c in range(self.num_clients) if c not in excluded])
+            self._privacy = (resolve_privacy(self.config, self.strategy, population,
+                                             min(self.clients_per_round, population)),)
+        return self._privacy[0]
+
     def check(self) -> None:
         """What can be refused before anything is written: names, the model and its PEFT config, the
         tasks' inputs against the model's, the partition, the initial state, unsupported settings."""
         env = self.env
         self.strategy.check_run(self.config)
+        self.privacy  # noqa: B018  (DP options a strategy cannot honour, or bad ones, fail here)
         for t in env.tasks:
             if t.modality != env.host.inputs.modality:
                 raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
@@ -111,10 +130,17 @@ class Server:
         clients = self.sample_clients(round_)
         kind = strategy.message_kind(state)
         config = {"query": strategy.query_name(state)} if kind == QUERY else {}
-        secure = None
+        secure, dp = None, self.privacy if kind == TRAIN else None
+        templates = strategy.private_templates if dp is not None else strategy.update_templates
         if kind == TRAIN and strategy.capabilities.secure_aggregation:
-            secure, clients = self._key_exchange(state, round_, clients, transport)
+            secure, clients = self._key_exchange(state, round_, clients, transport, templates)
             config["secagg_peers"] = secure.peers
+        instructed = None  # under DP, each upload entry's number of contributors this round
+        if dp is not None:
+            instructed = contributors({c: templates(state, c, allocation[c]) for c in clients},
+                                      strategy.public_entries)
+            if dp.noise == CLIENTS:
+                config[SHARES] = {"noise_multiplier": dp.noise_multiplier, "contributors": instructed}
         sent = {c: pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes() for c in clients}
         replies = transport.exchange([Instruction(kind, round_, c, sent[c], config) for c in clients])
         received = [c for c in clients if c in replies]
@@ -130,8 +156,7 @@ class Server:
                 secure.receive(c, replies[c])
                 numel = secure.template.numel()
             else:
-                update = ClientUpdate.from_bytes(replies[c],
-                                                 templates=strategy.update_templates(state, c, allocation[c]),
+                update = ClientUpdate.from_bytes(replies[c], templates=templates(state, c, allocation[c]),
                                                  expect=header, source=f"client {c} (round {round_})")
                 updates.append(update)
                 numel = sum(tv.numel() for tv in update.vectors.values())
@@ -140,14 +165,34 @@ class Server:
         if secure is not None:
             updates = [secure.finish(lambda survivor, dropped: self._reveal(survivor, dropped, round_, secure,
                                                                             transport))]  # the sum only
-        state = strategy.server_aggregate(state, updates)
+        if dp is not None:
+            clipped = clipped_fraction(updates)
+            updates = add_central_noise(uniform(updates), dp, round_, strategy.public_entries, instructed,
+                                        {n: len(received) for n in instructed} if secure is not None else None)
+            state = strategy.private_aggregate(state, updates)
+        else:
+            state = strategy.server_aggregate(state, updates)
         evals = self.evaluate(state, transport) if evaluate else None
-        return state, self._record(round_, kind, received, failed, updates, evals, traffic, start, state)
+        record = self._record(round_, kind, received, failed, updates, evals, traffic, start, state)
+        if dp is not None:
+            record["privacy"] = self._privacy_record(dp, round_, clipped)
+        return state, record
 
-    def _key_exchange(self, state, round_, clients, transport) -> tuple[SecureAggregation, list[int]]:
+    def _privacy_record(self, dp: PrivacySettings, round_: int, clipped: float | None) -> dict:
+        """ε spent up to this round (dp-accounting, `hf_fedtask.privacy.accountant`) and the mechanism's values;
+        `clipped_fraction` (the share of this round's uploads their clients clipped) is a diagnostic outside
+        the guarantee, unknown (None) under secure aggregation."""
+        from hf_fedtask.privacy.accountant import RunningAccountant
+
+        if self._accountant is None:
+            self._accountant = RunningAccountant(dp.population, dp.sample, dp.noise_multiplier, dp.delta)
+        return {"epsilon": json_epsilon(self._accountant.advance_to(round_)), "delta": dp.delta,
+                "noise_multiplier": dp.noise_multiplier, "clip": dp.clip, "clipped_fraction": clipped,
+                "noise": dp.noise, "accountant": "dp-accounting RDP"}
+
+    def _key_exchange(self, state, round_, clients, transport, templates) -> tuple[SecureAggregation, list[int]]:
         first = clients[0]
-        secure = SecureAggregation(self.strategy.update_templates(state, first, state.allocation[first]), round_,
-                                   self.env.header())
+        secure = SecureAggregation(templates(state, first, state.allocation[first]), round_, self.env.header())
         keys = transport.exchange([Instruction(QUERY, round_, c, EMPTY, {"query": SECAGG_PUBLIC_KEY}) for c in clients])
         for c in clients:
             if c in keys:

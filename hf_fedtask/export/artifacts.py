@@ -97,6 +97,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
             "rounds": results["rounds"],
             "num_clients": results["num_clients"],
             "participation": spec.config.participation,
+            **({"privacy": results["privacy"]} if "privacy" in results else {}),
             "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
             "modality": spec.card_modality(task),
             **spec.prompt_info(task),
@@ -208,6 +209,7 @@ def _multi_adapter_card(spec: RunExport, results: dict, metrics: dict) -> str:
         "rounds": results["rounds"],
         "num_clients": results["num_clients"],
         "participation": spec.config.participation,
+        **({"privacy": results["privacy"]} if "privacy" in results else {}),
         "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
         "modality": spec.card_modality(spec.tasks[0]),
         "extra_notes": (f"**One adapter per task** (PEFT multi-adapter layout): `{first}` at the root, every other "

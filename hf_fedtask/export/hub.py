@@ -14,6 +14,7 @@ from peft.utils import CONFIG_NAME
 
 from hf_fedtask.errors import HubError
 from hf_fedtask.export.adapter import check_portable_base_model_id, read_adapter_folder
+from hf_fedtask.privacy.report import card_rows
 
 CARD_TEMPLATE = "adapter_card.md.j2"
 
@@ -43,6 +44,8 @@ INFO_KEYS = {
     "label_words": "causal_lm: the words the model answers with, one per label.",
     "user_message": "causal_lm: the user turn sent to the chat template, with {input} where the example goes.",
     "extra_notes": "Free Markdown appended as a Notes section.",
+    "privacy": "Client-level differential privacy, as results.json's `privacy` entry (hf_fedtask.privacy.report): "
+               "adds a Differential privacy section (ε, δ, clipping, noise, sampling, accountant).",
 }
 _BASE_TAGS = ["hf-fedtask", "federated-learning", "peft"]
 # per input modality: the pipeline tag and the classes of the card's loading snippet
@@ -169,6 +172,7 @@ def _card_context(info: Mapping) -> dict:
         "strategy_paper": info.get("strategy_paper"),
         "citation": info.get("citation"),
         "federation_rows": _federation_rows(info),
+        "privacy_rows": card_rows(info["privacy"]) if info.get("privacy") else None,
         "metric_names": metric_names,
         "metric_rows": [[task] + [_fmt(metrics[task][m]) if m in metrics[task] else "–" for m in metric_names]
                         for task in metrics],

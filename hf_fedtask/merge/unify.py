@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hf_fedtask.core.names import RESCALERS
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.merge import fused_passes, kernels
 from hf_fedtask.merge.bitmask import pack_rows, packed_size, unpack_bits
 from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
 from hf_fedtask.merge.ties import check_compatible
-
-RESCALERS = ("global_sum", "per_tensor_mean")
 
 
 @dataclass

@@ -19,9 +19,9 @@ from functools import lru_cache
 
 import torch
 
+from hf_fedtask.core.names import MIXED_PRECISIONS
 from hf_fedtask.errors import ConfigError
 
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # what torchrun / accelerate launch / MPI launchers set, and what makes Accelerate (and so every

@@ -32,6 +32,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from hf_fedtask.core.names import LINEARIZATIONS as MODES
 from hf_fedtask.errors import LinearizationError
 from hf_fedtask.model.device import to_cpu
 from hf_fedtask.model.instructions import shifted_lm_loss
@@ -41,8 +42,6 @@ from hf_fedtask.model.tangent_rules import (
     register_tangent_attention,
     unpatch,
 )
-
-MODES = ("network", "lora_layers")
 
 
 def _forward_ad_attention(model: nn.Module, fused: bool) -> str:

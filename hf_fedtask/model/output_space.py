@@ -22,11 +22,9 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
+from hf_fedtask.core.names import MAX, OUTPUT_SPACES, PER_TASK
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError
-
-PER_TASK, MAX, UNION = "per_task", "max", "union"
-OUTPUT_SPACES = (PER_TASK, MAX, UNION)
 
 
 @dataclass(frozen=True)

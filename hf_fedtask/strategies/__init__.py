@@ -1,49 +1,69 @@
-"""Federated strategies: one config dataclass and a few functions over task vectors each; see `base.py`."""
+"""Federated strategies: one config dataclass and a few functions over task vectors each; see `base.py`.
 
-from hf_fedtask.strategies.base import (
-    EVALUATE,
-    QUERY,
-    STRATEGIES,
-    TRAIN,
-    Capabilities,
-    ClientJob,
-    ClientRemoval,
-    CompactExport,
-    GlobalState,
-    Linearized,
-    Packaging,
-    Strategy,
+The config classes and the registry's lookups are light (`configs.py`, `registry.py`: no torch), so that
+`RunConfig` and `hf-fedtask --help` do not import the strategies. The strategies and the rest of `base.py`
+are imported on first use (PEP 562 `__getattr__`), and then all of them at once, so that `STRATEGIES` is
+complete whenever it is read from here."""
+
+import importlib
+
+from hf_fedtask.strategies.configs import (
+    F2L2Config,
+    FedAvgConfig,
+    FedPerConfig,
+    FedProxConfig,
+    FedYoloConfig,
+    MaTFLConfig,
+    MaTUConfig,
+    NTKFedAvgConfig,
+    NTKFedProxConfig,
+    ScaffoldConfig,
     StrategyConfig,
-    build_strategy,
+    TCTConfig,
+)
+from hf_fedtask.strategies.registry import (
     build_strategy_config,
-    configured_capabilities,
-    head_name,
-    hooks_declared,
+    load_builtin_strategies,
     register_strategy,
     strategy_class,
+    strategy_configs,
 )
-from hf_fedtask.strategies.f2l2 import F2L2, F2L2Config
-from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
-from hf_fedtask.strategies.fedper import FedPer, FedPerConfig
-from hf_fedtask.strategies.fedyolo import FedYolo, FedYoloConfig
-from hf_fedtask.strategies.matfl import MaTFL, MaTFLConfig
-from hf_fedtask.strategies.matu import MaTU, MaTUConfig
-from hf_fedtask.strategies.ntkfedavg import (
-    NTKFedAvg,
-    NTKFedAvgConfig,
-    NTKFedProx,
-    NTKFedProxConfig,
-)
-from hf_fedtask.strategies.scaffold import Scaffold, ScaffoldConfig
-from hf_fedtask.strategies.tct import TCT, TCTConfig
 
-__all__ = [
-    "EVALUATE", "QUERY", "STRATEGIES", "TRAIN", "Capabilities", "ClientJob", "ClientRemoval", "CompactExport",
-    "F2L2", "F2L2Config", "FedAvg", "FedAvgConfig", "FedPer",
-    "FedPerConfig", "FedProx", "FedProxConfig", "FedYolo", "FedYoloConfig", "GlobalState", "MaTFL", "MaTFLConfig",
-    "Linearized", "MaTU", "MaTUConfig", "NTKFedAvg", "NTKFedAvgConfig", "NTKFedProx", "NTKFedProxConfig",
-    "Packaging", "Scaffold",
-    "ScaffoldConfig", "Strategy", "TCT", "TCTConfig",
-    "StrategyConfig", "build_strategy", "build_strategy_config", "configured_capabilities", "head_name",
-    "hooks_declared", "register_strategy", "strategy_class",
+# name -> the module of hf_fedtask.strategies that defines it (imported on first use, with every strategy)
+_LAZY = {
+    **dict.fromkeys(("EVALUATE", "QUERY", "TRAIN", "Capabilities", "ClientJob", "ClientRemoval", "CompactExport",
+                     "GlobalState", "Linearized", "Packaging", "Strategy", "build_strategy", "configured_capabilities",
+                     "head_name", "hooks_declared"), "base"),
+    "STRATEGIES": "registry",
+    "F2L2": "f2l2",
+    "FedAvg": "fedavg",
+    "FedProx": "fedavg",
+    "FedPer": "fedper",
+    "FedYolo": "fedyolo",
+    "MaTFL": "matfl",
+    "MaTU": "matu",
+    "NTKFedAvg": "ntkfedavg",
+    "NTKFedProx": "ntkfedavg",
+    "Scaffold": "scaffold",
+    "TCT": "tct",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        load_builtin_strategies()  # every builtin registered before any of them (or STRATEGIES) is handed out
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [  # the light names above, then the lazy ones
+    "F2L2Config", "FedAvgConfig", "FedPerConfig", "FedProxConfig", "FedYoloConfig", "MaTFLConfig", "MaTUConfig",
+    "NTKFedAvgConfig", "NTKFedProxConfig", "ScaffoldConfig", "StrategyConfig", "TCTConfig", "build_strategy_config",
+    "register_strategy", "strategy_class", "strategy_configs", *_LAZY,
 ]

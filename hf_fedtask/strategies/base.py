@@ -28,12 +28,21 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from hf_fedtask.core.fields import check_fields
+from hf_fedtask.core.kinds import EVALUATE, QUERY, TRAIN
 from hf_fedtask.core.state import HEAD, SHARED, ClientStore, GlobalState, head_name, point_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError, ProtocolError
 from hf_fedtask.merge import weighted_average
+from hf_fedtask.privacy.hooks import ClientPrivacy
+from hf_fedtask.strategies.configs import StrategyConfig
+from hf_fedtask.strategies.registry import (  # the registry, kept in a module without torch
+    STRATEGIES,
+    build_strategy_config,
+    option_names,
+    register_strategy,
+    strategy_class,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -46,23 +55,8 @@ __all__ = ["SHARED", "TRAIN", "QUERY", "EVALUATE", "Capabilities", "ClientJob", 
            "CompactExport", "GlobalState", "Linearized", "Packaging", "Strategy", "StrategyConfig", "as_point",
            "average_heads", "build_strategy", "configured_capabilities", "fedavg_shared", "head_name",
            "hooks_declared", "register_strategy", "shared_mean", "task_model", "task_point", "updates_by_task",
-           "AggregatedState", "aggregation_diagnostics"]
-
-TRAIN, QUERY, EVALUATE = "train", "query", "evaluate"
-"""Message kinds: train (a client update), query (statistics or gradients, no training), evaluate."""
-
-
-@dataclass
-class StrategyConfig:
-    """Base of every strategy's options (like peft's per-method configs): typed fields with help text
-    (`hf_fedtask.core.fields.option`), checked on construction; `validate` adds value checks."""
-
-    def __post_init__(self):
-        check_fields(self, source="strategy options")
-        self.validate()
-
-    def validate(self) -> None:
-        """Checks beyond types and choices (ranges); raise ConfigError."""
+           "AggregatedState", "aggregation_diagnostics", "STRATEGIES", "build_strategy_config", "option_names",
+           "strategy_class"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +73,9 @@ class Capabilities:
     personalization: bool = True  # FedAvg+Local fine-tuning from the task models
     linearized: bool = False  # evaluated as a linearized model (and exported as one beside the adapter): `Linearized`
     client_removal: bool = False  # a client removed from a finished run on the server alone: `ClientRemoval`
+    # client-level DP (dp_clip, hf_fedtask.privacy): uploads clipped jointly, noise on the aggregated sums, uniform
+    # weights: `hf_fedtask.privacy.hooks.ClientPrivacy`
+    client_dp: bool = False
     # why the strategy needs a classifier's outputs and so refuses a causal LM (None: it runs on one too)
     classifier_only: str | None = None
     # + compact (`CompactExport`), multi_adapter (per-task modules), linearized, tct (`Packaging`)
@@ -296,7 +293,8 @@ def hooks_declared(capabilities: Capabilities) -> dict[type, bool]:
     return {Linearized: capabilities.linearized,
             CompactExport: "compact" in capabilities.exports,
             Packaging: "tct" in capabilities.exports,
-            ClientRemoval: capabilities.client_removal}
+            ClientRemoval: capabilities.client_removal,
+            ClientPrivacy: capabilities.client_dp}
 
 
 # -- steps several strategies share ----------------------------------------------------------------------
@@ -345,42 +343,6 @@ def average_heads(state: GlobalState, updates: Iterable[ClientUpdate], server_lr
         mean = weighted_average([u.vectors[key] for u in holders], (u.num_samples[task] for u in holders))
         heads[key] = state.vectors[key] + server_lr * mean
     return heads
-
-
-STRATEGIES: dict[str, type[Strategy]] = {}
-
-
-def register_strategy(cls: type[Strategy]) -> type[Strategy]:
-    if not (isinstance(cls.config_class, type) and issubclass(cls.config_class, StrategyConfig)):
-        raise TypeError(f"{cls.__name__}.config_class must be a StrategyConfig subclass")
-    STRATEGIES[cls.name] = cls
-    return cls
-
-
-def strategy_class(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]
-
-
-def option_names(config_class: type[StrategyConfig]) -> list[str]:
-    return [f.name for f in dataclasses.fields(config_class)]
-
-
-def build_strategy_config(name: str, options: dict) -> StrategyConfig:
-    """The typed config of strategy `name`; an option it does not have is an error naming who has it."""
-    cls = strategy_class(name)
-    known = option_names(cls.config_class)
-    for key in options:
-        if key not in known:
-            owners = sorted(n for n, c in STRATEGIES.items() if key in option_names(c.config_class))
-            hint = f" (an option of {', '.join(owners)})" if owners else ""
-            theirs = f"; its options: {', '.join(known)}" if known else "; it has no options"
-            raise ConfigError(f"strategy {name!r} does not support option {key!r}{hint}{theirs}")
-    try:
-        return cls.config_class(**options)
-    except TypeError as e:
-        raise ConfigError(f"strategy {name!r}: {e}") from None
 
 
 def build_strategy(name: str, options: dict | None = None) -> Strategy:

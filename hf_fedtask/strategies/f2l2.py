@@ -26,7 +26,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from hf_fedtask.client.objectives import OneHotMSE
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import GRADIENT, POINT, gradient_name, point_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -41,7 +40,6 @@ from hf_fedtask.strategies.base import (
     GlobalState,
     Linearized,
     Strategy,
-    StrategyConfig,
     as_point,
     average_heads,
     fedavg_shared,
@@ -50,32 +48,12 @@ from hf_fedtask.strategies.base import (
     task_model,
     task_point,
 )
+from hf_fedtask.strategies.configs import F2L2Config
 from hf_fedtask.strategies.fedavg import delta_update
 
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 GRADIENT_QUERY = "data_gradient"
 GRADIENT_FORMS = ("target", "retained")
-
-
-@dataclass
-class F2L2Config(StrategyConfig):
-    server_fraction: float = option(0.1, "share of each task's training split the server keeps (D_s): it pretrains "
-                                    "w₀ and approximates the removal Hessian on it; never sent", minimum=0.0,
-                                    maximum=0.9)
-    pretrain_epochs: float = option(20.0, "epochs of the server's pretraining of w₀ on D_s (cross-entropy, Adam, "
-                                    "cosine schedule; 0 = w₀ is the initialization)", minimum=0.0)
-    pretrain_lr: float = option(1e-3, "learning rate of the server's pretraining", minimum=0.0)
-    l2: float = option(0.0, "λ of the training objective's (λ/2)·‖w‖² (the official code trains with 0)", minimum=0.0)
-    removal_l2: float = option(10.0, "λ of the removal step (H_s + λI)⁻¹·g: a smaller λ costs clean accuracy, a "
-                               "larger one lets the backdoor survive (the README's F²L² section); equal to l2 > 0 "
-                               "it is the exact Newton step of the trained objective", minimum=0.0)
-    start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
-                        "initialization (the official code's)", choices=("pretrained", "random"))
-
-    def validate(self) -> None:
-        if self.server_fraction <= 0:
-            raise ConfigError("f2l2: server_fraction must be > 0 (the server pretrains and approximates the "
-                              "Hessian on its own data)")
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_fedtask.client.objectives import ProximalTerm
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import tracked_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
+from hf_fedtask.merge import weighted_average
 from hf_fedtask.merge.lora_product import as_factors, factor_step_error, lora_pairs, product_step
+from hf_fedtask.privacy.hooks import ClientPrivacy
 from hf_fedtask.strategies.base import (
     SHARED,
     AggregatedState,
@@ -42,54 +42,29 @@ from hf_fedtask.strategies.base import (
     ClientJob,
     GlobalState,
     Strategy,
-    StrategyConfig,
     average_heads,
     fedavg_shared,
     head_name,
     register_strategy,
     updates_by_task,
 )
+from hf_fedtask.strategies.configs import FACTORS, PRODUCT, FedAvgLoRAConfig, FedProxLoRAConfig
+
+# `NAME as NAME`: re-exported, defined here before hf_fedtask.strategies.configs
+from hf_fedtask.strategies.configs import LORA_AGGREGATIONS as LORA_AGGREGATIONS
+from hf_fedtask.strategies.configs import FedAvgConfig as FedAvgConfig
+from hf_fedtask.strategies.configs import FedProxConfig as FedProxConfig
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
 
-FACTORS, PRODUCT = "factors", "product"
-LORA_AGGREGATIONS = (FACTORS, PRODUCT)
-
-
-@dataclass
-class FedAvgConfig(StrategyConfig):
-    """The options of FedAvg's server step, shared by the family built on it (NTKFedAvg, NTKFedProx)."""
-
-    server_lr: float = option(1.0, "server step size α: the state moves by α times the mean update")
-    forget_tasks: list[str] | None = option(None, "unlearning: negate the updates of the clients holding these tasks")
-    forget_clients: list[int] | None = option(None, "unlearning: negate the updates of these clients", minimum=0)
-    track_task_vectors: bool = option(False, "keep each task's accumulated vector (for one-shot negation)")
-
-
-@dataclass
-class FedAvgLoRAConfig(FedAvgConfig):
-    """FedAvg's options with the LoRA aggregation (the strategies whose model is the LoRA product itself)."""
-
-    lora_aggregation: str = option(FACTORS, "how LoRA's A and B are aggregated: factors (each averaged on its own, "
-                                   "as FedIT does) or product (the exact mean of the clients' B·A, re-factorized "
-                                   "to rank r by a truncated SVD, as FlexLoRA does)", choices=LORA_AGGREGATIONS)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.lora_aggregation == PRODUCT and self.track_task_vectors:
-            raise ConfigError("strategy options: track_task_vectors needs lora_aggregation factors (product "
-                              "re-factorizes the LoRA modules every round, so no task's share of their movement "
-                              "adds up)")
-
-
 @register_strategy
-class FedAvg(Strategy):
+class FedAvg(Strategy, ClientPrivacy):
     name = "fedavg"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
     config_class = FedAvgLoRAConfig
-    capabilities = Capabilities(federated_unlearning=True, task_vector_tracking=True)
+    capabilities = Capabilities(federated_unlearning=True, task_vector_tracking=True, client_dp=True)
 
     @property
     def lora_aggregation(self) -> str:
@@ -128,6 +103,27 @@ class FedAvg(Strategy):
                                                       self.lora_aggregation, c.server_lr, signs)
         new = state.next(vectors)
         return AggregatedState(new.round, new.vectors, new.scalars, diagnostics=diagnostics)
+
+    def check_private(self, config) -> None:
+        c = self.config
+        for name, on in (("forget_tasks", c.forget_tasks), ("forget_clients", c.forget_clients),
+                         ("track_task_vectors", c.track_task_vectors)):
+            if on:
+                raise ConfigError(f"{name}: strategy {self.name!r} cannot combine it with client-level DP "
+                                  "(it needs each client's individual update; DP releases only noisy sums)")
+        if self.lora_aggregation == PRODUCT:
+            raise ConfigError(f"lora_aggregation product: strategy {self.name!r} cannot combine it with client-level "
+                              "DP (it multiplies each client's own LoRA factors; DP releases only noisy sums of "
+                              "them): use lora_aggregation factors")
+
+    def private_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        """Under client-level DP (`hf_fedtask.privacy`): the shared modules move by α times the plain mean of
+        the clients' (clipped, noised) changes and each head by the plain mean over its holders (sample counts
+        are 1 under DP), so both are noisy sums over fixed counts; the LoRA factor error, measured on
+        individual uploads, is not released."""
+        step = weighted_average([u.vectors[SHARED] for u in updates], [1.0] * len(updates))
+        return state.next({SHARED: state.vectors[SHARED] + self.config.server_lr * step,
+                           **average_heads(state, updates, self.config.server_lr)})
 
 
 def delta_update(downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer,
@@ -228,18 +224,6 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
         metrics[f"{task}/train_loss"] = m["train_loss"]
         metrics[f"{task}/lr_sum"] = m.get("lr_sum", 0.0)
     return shared, heads, metrics
-
-
-@dataclass
-class FedProxConfig(FedAvgConfig):
-    """FedProx's options beside FedAvg's step (shared with NTKFedProx)."""
-
-    proximal_mu: float = option(0.01, "FedProx's μ: clients add (μ/2)·‖θ − θ_s‖² to their loss", minimum=0)
-
-
-@dataclass
-class FedProxLoRAConfig(FedAvgLoRAConfig, FedProxConfig):
-    """FedProx's options with the LoRA aggregation."""
 
 
 @register_strategy

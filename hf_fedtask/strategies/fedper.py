@@ -12,10 +12,8 @@ in-process one) can form. Holders that have not trained yet contribute the seede
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import PERSONAL
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -27,11 +25,11 @@ from hf_fedtask.strategies.base import (
     ClientJob,
     GlobalState,
     Strategy,
-    StrategyConfig,
     head_name,
     register_strategy,
     shared_mean,
 )
+from hf_fedtask.strategies.configs import FedPerConfig
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
@@ -49,12 +47,6 @@ def last_block_keys(keys: list[str], blocks: int) -> list[str]:
                           "this PEFT method has none")
     last = max(indices.values())
     return [k for k, i in indices.items() if i > last - blocks]
-
-
-@dataclass
-class FedPerConfig(StrategyConfig):
-    personal_blocks: int = option(1, "last transformer blocks kept on the client (with the heads)", minimum=1)
-    server_lr: float = option(1.0, "server step size α")
 
 
 @register_strategy

@@ -31,29 +31,31 @@ module + head to K × (module + head) + K + 1 numbers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import COUNTS, HEAD, MODULE, module_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
+from hf_fedtask.privacy.hooks import ClientPrivacy
 from hf_fedtask.strategies.base import (
     SHARED,
     Capabilities,
     ClientJob,
     GlobalState,
     Strategy,
-    StrategyConfig,
     configured_capabilities,
     head_name,
     register_strategy,
     updates_by_task,
 )
+
+# `NAME as NAME`: re-exported, defined here before hf_fedtask.strategies.configs
+from hf_fedtask.strategies.configs import SHARE_MODES as SHARE_MODES
+from hf_fedtask.strategies.configs import FedYoloConfig
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
@@ -61,7 +63,6 @@ if TYPE_CHECKING:
 
     from hf_fedtask.client.trainer import LocalTrainer
 
-SHARE_MODES = ("none", "half", "all")
 _BLOCK = re.compile(r"\.(?:layer|layers|h|blocks)\.(\d+)\.")
 
 
@@ -105,17 +106,8 @@ class _TaskAdapters:
             return self.trainer.train(state, data, **kwargs)
 
 
-@dataclass
-class FedYoloConfig(StrategyConfig):
-    share: str = option("none", "modules shared by all tasks: none | half (first ⌊L/2⌋ blocks) | all",
-                        choices=SHARE_MODES)
-    secure_aggregation: bool = option(False, "privacy variant: K-task slot uploads, masked on the clients; "
-                                      "the server sees only their sum")
-    sample_weighted: bool = option(False, "weight the per-task means by sample counts (the paper: unweighted)")
-
-
 @register_strategy
-class FedYolo(Strategy):
+class FedYolo(Strategy, ClientPrivacy):
     name = "fedyolo"
     paper = ("Zhang et al., FedYolo: Augmenting Federated Learning with Pretrained Transformers, "
              "arXiv 2307.04905, 2023")
@@ -124,7 +116,15 @@ class FedYolo(Strategy):
     @configured_capabilities
     def capabilities(config: FedYoloConfig) -> Capabilities:
         """Secure aggregation is the privacy variant's (`secure_aggregation`)."""
-        return Capabilities(secure_aggregation=config.secure_aggregation, exports=("adapters", "multi_adapter"))
+        return Capabilities(secure_aggregation=config.secure_aggregation, exports=("adapters", "multi_adapter"),
+                            client_dp=True)
+
+    public_entries = (COUNTS,)  # the slot counts: 1 per task held (the public allocation) under DP
+
+    def check_private(self, config) -> None:
+        if self.config.sample_weighted:
+            raise ConfigError("sample_weighted: strategy 'fedyolo' cannot weight by sample counts under client-level "
+                              "DP (aggregation weights must not depend on the data: every holder weighs 1)")
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)

@@ -11,11 +11,8 @@ model uses the mean of its holders' models.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import model_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -24,11 +21,11 @@ from hf_fedtask.strategies.base import (
     SHARED,
     GlobalState,
     Strategy,
-    StrategyConfig,
     average_heads,
     head_name,
     register_strategy,
 )
+from hf_fedtask.strategies.configs import MaTFLConfig
 from hf_fedtask.strategies.fedavg import delta_update
 
 
@@ -36,12 +33,6 @@ def cosine_similarity_matrix(vectors: list[TaskVector]) -> torch.Tensor:
     flat = torch.stack([v.flatten().double() for v in vectors])
     flat = flat / flat.norm(dim=1, keepdim=True).clamp(min=1e-12)
     return flat @ flat.T
-
-
-@dataclass
-class MaTFLConfig(StrategyConfig):
-    server_lr: float = option(1.0, "server step size α")
-    group_size: int = option(3, "peers (self included) each client aggregates with", minimum=1)
 
 
 @register_strategy

@@ -62,19 +62,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import MATU_EXPORT, MATU_WIRE, matu_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError, TaskVectorError
-from hf_fedtask.merge import agreement_mask, sign_similarity, unify
+from hf_fedtask.merge import agreement_mask, sign_similarity, unify, weighted_average
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
-from hf_fedtask.merge.unify import RESCALERS
+from hf_fedtask.privacy.hooks import ClientPrivacy
 from hf_fedtask.strategies.base import (
     SHARED,
     Capabilities,
@@ -82,22 +80,24 @@ from hf_fedtask.strategies.base import (
     CompactExport,
     GlobalState,
     Strategy,
-    StrategyConfig,
     average_heads,
     head_name,
     register_strategy,
     updates_by_task,
 )
 
+# `NAME as NAME`: re-exported, defined here before hf_fedtask.strategies.configs
+from hf_fedtask.strategies.configs import COMBINE_RULES as COMBINE_RULES
+from hf_fedtask.strategies.configs import DEFAULT_READING as DEFAULT_READING
+from hf_fedtask.strategies.configs import DOWNLINKS as DOWNLINKS
+from hf_fedtask.strategies.configs import NEIGHBOURHOODS as NEIGHBOURHOODS
+from hf_fedtask.strategies.configs import READINGS as READINGS
+from hf_fedtask.strategies.configs import WIRE_DTYPE_NAMES, MaTUConfig
+
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
-COMBINE_RULES = ("sum", "mean", "s_normalized")
-READINGS = ("cumulative", "delta")  # what clients upload and Eq. 7 yields: see the module docstring
-DEFAULT_READING = "delta"
-NEIGHBOURHOODS = ("round", "all")
-DOWNLINKS = ("unified", "per_task")  # see `encode_wire`
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WIRE_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
 
 
 def encode_tasks(tasks: list[str]) -> torch.Tensor:
@@ -184,42 +184,13 @@ def decode_heads(wire: TaskVector, templates: dict[str, TaskVector]) -> dict[str
     return {t: TaskVector.unflatten(part, templates[t]) for t, part in zip(tasks, parts)}
 
 
-@dataclass
-class MaTUConfig(StrategyConfig):
-    rho: float = option(0.4, "agreement-mask threshold ρ (Eq. 3, from Gradient Masked Averaging)", minimum=0, maximum=1)
-    kappa: int = option(2, "κ: at most this many neighbours per task in the cross-task aggregation "
-                           "(Eq. 6; never given by the paper)", minimum=0)
-    epsilon: float = option(0.5, "ε: a neighbour needs sign similarity S(t, t') > ε (Eq. 5; S ≈ 0.5 unrelated, "
-                                 "> 0.5 agreeing, < 0.5 opposed)", minimum=0, maximum=1)
-    combine: str = option("s_normalized", "Eq. 7: sum (literal; under cumulative it compounds, geometrically with "
-                                          "short local training; under delta it adds the neighbours' increments, "
-                                          "stable) | mean | s_normalized (similarity-weighted mean, t weighing 1)",
-                          choices=COMBINE_RULES)
-    vectors: str = option(DEFAULT_READING, "what Eqs. 3-7 act on: cumulative (clients upload trained - θ_p, Eq. 7's "
-                                           "output replaces τ^t; the literal reading, whose task vectors collapse "
-                                           "with multi-task clients) | delta (clients upload the round's change, "
-                                           "Eq. 7's output is added to τ^t)", choices=READINGS)
-    neighbours: str = option("all", "candidates for Z^t: round (tasks with participants this round) | all (also "
-                                    "tasks carried forward, compared by their server vector τ^t)",
-                             choices=NEIGHBOURHOODS)
-    rescaler: str = option("global_sum", "global_sum (the paper) | per_tensor_mean (EMR's code)",
-                           choices=tuple(RESCALERS))
-    include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
-    downlink: str = option("unified", "what a client trains each task from: unified (the paper: λ_t·(m_t ⊙ τ) "
-                                      "decoded from one unified vector, 1-bit masks and rescalers) | per_task (each "
-                                      "task's own τ^t, the point its step is added to; one vector per task held)",
-                           choices=DOWNLINKS)
-    wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
-                             choices=tuple(WIRE_DTYPES))
-
-
 @register_strategy
-class MaTU(Strategy, CompactExport):
+class MaTU(Strategy, CompactExport, ClientPrivacy):
     name = "matu"
     paper = ("Tsouvalas, Ozcelebi and Meratnia, Many-Task Federated Fine-Tuning via Unified Task Vectors, 2025 "
              "(arXiv:2502.06376)")
     config_class = MaTUConfig
-    capabilities = Capabilities(exports=("adapters", "compact"))
+    capabilities = Capabilities(exports=("adapters", "compact"), client_dp=True)
 
     # -- state ---------------------------------------------------------------------------------
     def check_run(self, config) -> None:
@@ -322,6 +293,11 @@ class MaTU(Strategy, CompactExport):
             for u, r in zip(holders, reconstructed):
                 weighted = weighted + (u.num_samples[task] / total) * r
             same_task[task] = soft_masks[task] * weighted
+        return self._combined(state, same_task, soft_masks, updates)
+
+    def _combined(self, state: GlobalState, same_task: dict[str, TaskVector], soft_masks: dict[str, TaskVector],
+                  updates: list[ClientUpdate]) -> GlobalState:
+        """Eqs. 5-7 from this round's τ̂ and masks, the new task vectors, the heads' FedAvg step, the export."""
         combined = self._cross_task(state, same_task, soft_masks)
         if self.config.vectors == "delta":
             combined = {t: state.vectors[matu_task_vector_name(t)] + v for t, v in combined.items()}
@@ -329,6 +305,37 @@ class MaTU(Strategy, CompactExport):
         new = state.next({**vectors, **average_heads(state, updates)})
         new.vectors.update(self._exported(new))
         return new
+
+    # -- client-level DP (`hf_fedtask.privacy`) ------------------------------------------------------
+    def private_upload(self, update: ClientUpdate, job: ClientJob) -> ClientUpdate:
+        """Under DP a client sends each task's vector as its own unification decodes it, x_n^t = λ_n^t·(m_n^t ⊙ τ_n)
+        (what the server would reconstruct), and each head's change, as plain float vectors: the bit masks and
+        rescalers depend on the data and cannot be clipped or noised, so they never leave the client."""
+        wire = update.vectors[MATU_WIRE]
+        heads = decode_heads(wire, {t: job.initial_heads[t] for t in job.tasks})
+        vectors = {}
+        for t in job.tasks:
+            vectors[matu_task_vector_name(t)] = decode_task(wire, t, job.origin)
+            vectors[head_name(t)] = heads[t]
+        return dataclasses.replace(update, vectors=vectors)
+
+    def private_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
+        out = {}
+        for t in tasks:
+            out[matu_task_vector_name(t)] = state.vectors[SHARED]
+            out[head_name(t)] = state.vectors[head_name(t)]
+        return out
+
+    def private_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        """Eq. 4 as a plain mean of the holders' (clipped, noised) x_n^t, i.e. a noisy per-task sum over its count,
+        then Eqs. 5-7 as post-processing. Eq. 3's agreement mask needs each holder's signs, which DP does not
+        release: m̂^t = 1 (ρ has no effect under DP)."""
+        same_task, soft_masks = {}, {}
+        for task, holders in updates_by_task(updates).items():
+            name = matu_task_vector_name(task)
+            same_task[task] = weighted_average([u.vectors[name] for u in holders], [1.0] * len(holders))
+            soft_masks[task] = same_task[task].apply(torch.ones_like)
+        return self._combined(state, same_task, soft_masks, updates)
 
     def neighbours(self, similarity: torch.Tensor, index: int) -> list[int]:
         """Z^t: the top-κ tasks by S(t, ·) among those with S > ε (t itself only if include_self)."""

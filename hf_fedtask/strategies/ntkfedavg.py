@@ -12,11 +12,7 @@ linearized model at θ_s (and, labelled `<metric>_nonlinear`, as the ordinary mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.model.linearize import MODES
 from hf_fedtask.strategies.base import (
     Capabilities,
     ClientJob,
@@ -26,17 +22,11 @@ from hf_fedtask.strategies.base import (
     register_strategy,
     task_model,
 )
-from hf_fedtask.strategies.fedavg import FedAvg, FedAvgConfig, FedProx, FedProxConfig
 
-LINEARIZE_AT = ("server", "pretrained")
-
-
-@dataclass
-class NTKFedAvgConfig(FedAvgConfig):
-    linearize_at: str = option("server", "point clients linearize around: the server state of the round "
-                               "(re-linearized every round) or the pretrained/initial one", choices=LINEARIZE_AT)
-    linearization: str = option("network", "what is linearized: the whole network in the trainable parameters, "
-                                "or each LoRA layer on its own (L-LoRA)", choices=MODES)
+# `NAME as NAME`: re-exported, defined here before hf_fedtask.strategies.configs
+from hf_fedtask.strategies.configs import LINEARIZE_AT as LINEARIZE_AT
+from hf_fedtask.strategies.configs import NTKFedAvgConfig, NTKFedProxConfig
+from hf_fedtask.strategies.fedavg import FedAvg, FedProx
 
 
 @register_strategy
@@ -46,7 +36,7 @@ class NTKFedAvg(FedAvg, Linearized):
              "with NTKFedAvg")
     config_class = NTKFedAvgConfig
     capabilities = Capabilities(federated_unlearning=True, task_vector_tracking=True, linearized=True,
-                                exports=("adapters", "linearized"))
+                                exports=("adapters", "linearized"), client_dp=True)
 
     @property
     def linearization(self) -> str:
@@ -71,10 +61,12 @@ class NTKFedAvg(FedAvg, Linearized):
             new.vectors.update(as_point(state.vectors))
         return new
 
-
-@dataclass
-class NTKFedProxConfig(NTKFedAvgConfig, FedProxConfig):
-    pass
+    def private_aggregate(self, state: GlobalState, updates) -> GlobalState:
+        """FedAvg's step under client-level DP, re-linearized as `server_aggregate` is."""
+        new = super().private_aggregate(state, updates)
+        if self.config.linearize_at == "server":
+            new.vectors.update(as_point(state.vectors))
+        return new
 
 
 @register_strategy

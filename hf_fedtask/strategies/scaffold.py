@@ -18,44 +18,40 @@ the correction per coordinate).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_fedtask.client.objectives import LinearCorrection
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import control_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.merge import weighted_average
+from hf_fedtask.privacy.hooks import ClientPrivacy
 from hf_fedtask.strategies.base import (
     SHARED,
+    Capabilities,
     ClientJob,
     GlobalState,
     Strategy,
-    StrategyConfig,
     average_heads,
     fedavg_shared,
     head_name,
     register_strategy,
     updates_by_task,
 )
+from hf_fedtask.strategies.configs import ScaffoldConfig
 from hf_fedtask.strategies.fedavg import train_tasks_in_turn
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
 
-@dataclass
-class ScaffoldConfig(StrategyConfig):
-    server_lr: float = option(1.0, "server step size η_g: x moves by η_g times the mean update", minimum=0)
-
-
 @register_strategy
-class Scaffold(Strategy):
+class Scaffold(Strategy, ClientPrivacy):
     name = "scaffold"
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
     config_class = ScaffoldConfig
+    capabilities = Capabilities(client_dp=True)
 
     def check_run(self, config) -> None:
         if config.optimizer != "sgd":
@@ -93,9 +89,12 @@ class Scaffold(Strategy):
             controls[control_name(n)] = dc
         return ClientUpdate(job.client_id, job.round, {**deltas, **controls}, job.num_samples(), metrics)
 
-    def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+    def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate], *, uniform: bool = False
+                         ) -> GlobalState:
         eta, allocation = self.config.server_lr, state.allocation
-        vectors = {SHARED: fedavg_shared(state, updates, eta), **average_heads(state, updates, eta)}
+        shared = (state.vectors[SHARED] + eta * plain_mean(u.vectors[SHARED] for u in updates) if uniform
+                  else fedavg_shared(state, updates, eta))
+        vectors = {SHARED: shared, **average_heads(state, updates, eta)}
         share = len(updates) / len(allocation)  # |S| / N
         vectors[control_name(SHARED)] = state.vectors[control_name(SHARED)] + share * plain_mean(
             u.vectors[control_name(SHARED)] for u in updates)
@@ -104,6 +103,12 @@ class Scaffold(Strategy):
             share = len(holders) / len(state.holders(task))  # |S_t| / N_t
             vectors[n] = state.vectors[n] + share * plain_mean(u.vectors[n] for u in holders)
         return state.next(vectors)
+
+    def private_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
+        """Under client-level DP: the same step with every client weighing 1 in x's shared mean (heads: sample
+        counts are 1 under DP), so Δy and Δc_i, clipped together on the client, enter only noisy sums. The
+        server's c then follows the clipped, noised Δc_i, not the clients' own c_i exactly."""
+        return self.server_aggregate(state, updates, uniform=True)
 
 
 def plain_mean(vectors) -> TaskVector:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +35,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_fedtask.core.fields import option
 from hf_fedtask.core.state import (
     TCT_LINEAR,
     TCT_POINT,
@@ -60,13 +58,13 @@ from hf_fedtask.strategies.base import (
     GlobalState,
     Packaging,
     Strategy,
-    StrategyConfig,
     average_heads,
     fedavg_shared,
     head_name,
     register_strategy,
     updates_by_task,
 )
+from hf_fedtask.strategies.configs import TCTConfig
 from hf_fedtask.strategies.fedavg import delta_update
 
 if TYPE_CHECKING:
@@ -78,20 +76,6 @@ if TYPE_CHECKING:
 STAGE1, NORMALIZE, STAGE2 = "stage1", "normalize", "stage2"
 MOMENTS_QUERY = "entk_moments"
 SPILL_BYTES = 256 << 20  # features of one (client, task) larger than this live on disk
-
-
-@dataclass
-class TCTConfig(StrategyConfig):
-    stage1_rounds: int = option(20, "T₁: FedAvg rounds before the convexified stage (0 = eNTK at the init)", minimum=0)
-    num_features: int = option(10000, "p: eNTK coordinates kept, a seeded subset identical on every client", minimum=1)
-    stage2_steps: int = option(100, "M: full-batch gradient steps per client and stage-2 round", minimum=1)
-    stage2_lr: float = option(0.0, "η of stage 2; 0 = 1/λ_max of each client's feature covariance", minimum=0)
-    solver: str = option("scaffold", "stage-2 solver: scaffold (TCT) | fedavg (the ablation)",
-                         choices=("scaffold", "fedavg"))
-    normalize: bool = option(True, "standardize the features with the federation's mean and std")
-    bias: bool = option(True, "a bias b beside W (the paper's; the official code has none)")
-    feature_seed: int = option(123, "seed of the coordinate subset and of the re-initialized heads")
-    feature_batch_size: int = option(64, "samples per batched eNTK computation", minimum=1)
 
 
 def feature_head(template: TaskVector, task: str, seed: int, std: float = 0.02) -> TaskVector:

@@ -5,17 +5,31 @@
     run(config, engine=local_grid_engine())    # debugging: the real apps through Flower messages, one process
 
 `transport.GridTransport` carries instructions as Flower Messages, `discovery` maps the run's client
-ids to node ids, `app` holds the ServerApp and ClientApp, `node` the client's state on its node,
+ids to node ids, `app` holds the ServerApp and ClientApp, `handler` the client half they run, `worker`
+the warm worker a SuperNode's ClientApp may forward to, `node` the client's state on its node,
 `records` the message layout, `settings` and `manifest` the app's run config and pyproject.toml,
 `local` the in-process Flower Grid (no Ray, no sockets; the only module touching Flower internals).
 Needs the `flower` extra: pip install "hf-fedtask[flower]".
+
+The names below are imported on first use, so that a ClientApp process (which imports `app`) loads
+no torch.
 """
 
-from hf_fedtask.engine.flower.discovery import discover_clients
-from hf_fedtask.engine.flower.launch import launch
-from hf_fedtask.engine.flower.local import InProcessGrid, local_grid_engine
-from hf_fedtask.engine.flower.settings import AppSettings
-from hf_fedtask.engine.flower.transport import GridTransport, grid_engine
+import importlib
 
-__all__ = ["AppSettings", "GridTransport", "InProcessGrid", "discover_clients", "grid_engine", "launch",
-           "local_grid_engine"]
+_LAZY = {
+    "discover_clients": "discovery",
+    "launch": "launch",
+    "InProcessGrid": "local",
+    "local_grid_engine": "local",
+    "AppSettings": "settings",
+    "GridTransport": "transport",
+    "grid_engine": "transport",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,10 +77,11 @@ class InProcessGrid(Grid):
     `num_nodes`: how many nodes (random 63-bit node ids, seeded); `partition_ids`: each node's
     `partition-id` (default 0..num_nodes-1; anything, to test how a federation that does not hold
     each client once is refused); `silent`: partition ids whose replies to train messages are lost
-    (a node that dropped out); `run_id`: the Flower run id."""
+    (a node that dropped out); `run_id`: the Flower run id; `node_config`: further node-config values of
+    every node (e.g. `{"worker": path}`: its ClientApp forwards to that warm worker)."""
 
     def __init__(self, app: ClientAppLike, run_config: dict, num_nodes: int, *, partition_ids: list | None = None,
-                 silent: Iterable[int] = (), run_id: int = RUN_ID):
+                 silent: Iterable[int] = (), run_id: int = RUN_ID, node_config: dict | None = None):
         _set_identity(run_id, SUPERLINK_NODE_ID)
         self.app = app
         self.run_config = dict(run_config)
@@ -91,8 +92,8 @@ class InProcessGrid(Grid):
         self.contexts: dict[int, bytes] = {}  # node id -> its Context as protobuf bytes
         for pid in ids:
             node = self.rng.getrandbits(63)
-            context = Context(run_id, node, {PARTITION_ID: pid, "num-partitions": num_nodes}, RecordDict(),
-                              dict(run_config))
+            context = Context(run_id, node, {PARTITION_ID: pid, "num-partitions": num_nodes, **(node_config or {})},
+                              RecordDict(), dict(run_config))
             self.contexts[node] = context_to_proto(context).SerializeToString()
         self.message_types: list[str] = []  # every message type delivered, in order (tests, debugging)
         self._replies: dict[str, Message] = {}
@@ -187,11 +188,12 @@ class LocalGridEngine:
     name = "flower-local"
 
     def __init__(self, num_clients: int | None = None, *, app: ClientAppLike | None = None,
-                 partition_ids: list | None = None, silent: Iterable[int] = ()):
+                 partition_ids: list | None = None, silent: Iterable[int] = (), node_config: dict | None = None):
         self.num_clients = num_clients
         self.app = app
         self.partition_ids = partition_ids
         self.silent = set(silent)
+        self.node_config = node_config
         self.grid: InProcessGrid | None = None
 
     def __call__(self, env: Environment) -> GridTransport:
@@ -200,14 +202,15 @@ class LocalGridEngine:
             from hf_fedtask.engine.flower.app import client_app as app
         run_config = AppSettings.for_run(env.config, wait=0.0).to_run_config()
         self.grid = InProcessGrid(app, run_config, self.num_clients or env.num_clients,
-                                  partition_ids=self.partition_ids, silent=self.silent)
+                                  partition_ids=self.partition_ids, silent=self.silent, node_config=self.node_config)
         return grid_engine(self.grid, wait=0.0)(env)
 
 
 def local_grid_engine(num_clients: int | None = None, *, app: ClientAppLike | None = None,
-                      partition_ids: list | None = None, silent: Iterable[int] = ()) -> LocalGridEngine:
+                      partition_ids: list | None = None, silent: Iterable[int] = (),
+                      node_config: dict | None = None) -> LocalGridEngine:
     """The in-process Flower Grid as an engine: `run(config, engine=local_grid_engine())` runs the
     job with its clients behind Flower messages in this process. `num_clients`: how many nodes
     (default: one per client of the run); `app`: the ClientApp (default: hf_fedtask's);
-    `partition_ids`, `silent`: see `InProcessGrid`."""
-    return LocalGridEngine(num_clients, app=app, partition_ids=partition_ids, silent=silent)
+    `partition_ids`, `silent`, `node_config`: see `InProcessGrid`."""
+    return LocalGridEngine(num_clients, app=app, partition_ids=partition_ids, silent=silent, node_config=node_config)

@@ -4,6 +4,8 @@ In deployment every message starts a new ClientApp process, so nothing may live 
 the client's private store (`ClientStore`) is kept as safetensors bytes and its secure-aggregation
 secret (32 random bytes, drawn on the node's first message and never sent) as a ConfigRecord value.
 Both stay on the node; the store is written back only after a message was handled successfully.
+This module reads and writes the bytes only (no torch), so the ClientApp process that forwards a
+message to a warm worker (`hf_fedtask.engine.flower.worker`) stays light.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ import secrets
 
 from flwr.app import ConfigRecord, Context
 
-from hf_fedtask.core.state import ClientStore
-from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 from hf_fedtask.engine.flower.records import PAYLOAD, payload_record, read_payload
 
 STORE = "hf_fedtask.store"  # ArrayRecord: the packed store
@@ -31,14 +30,21 @@ def node_secret(context: Context) -> bytes:
     return record[SECAGG_SECRET]
 
 
-def load_store(context: Context) -> ClientStore:
-    """The client's private store (empty on its first message)."""
+def store_bytes(context: Context) -> bytes | None:
+    """The client's packed private store (None before its first message)."""
     record = context.state.array_records.get(STORE)
     if record is None or PAYLOAD not in record:
-        return {}
-    data = read_payload(context.state, source=f"node {context.node_id}'s client store", key=STORE)
-    return unpack_vectors(TaskVector.from_bytes(data, source=f"node {context.node_id}'s client store"))
+        return None
+    return read_payload(context.state, source=f"node {context.node_id}'s client store", key=STORE)
 
 
-def save_store(context: Context, store: ClientStore) -> None:
-    context.state[STORE] = payload_record(pack_vectors(store).to_bytes())
+def keep_store(context: Context, data: bytes) -> None:
+    """Write the client's packed store back into the node's state."""
+    context.state[STORE] = payload_record(data)
+
+
+def load_store(context: Context):
+    """The client's private store, unpacked (empty on its first message)."""
+    from hf_fedtask.engine.flower.handler import unpack_store
+
+    return unpack_store(store_bytes(context), source=f"node {context.node_id}'s client store")

@@ -12,9 +12,9 @@ import json
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType, RecordDict
 
+from hf_fedtask.core.kinds import EVALUATE, QUERY, TRAIN
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.errors import ProtocolError
-from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
 
 PAYLOAD = "payload"  # the ArrayRecord (and its one Array) holding the bytes
 INSTRUCTION = "instruction"  # the ConfigRecord describing the instruction

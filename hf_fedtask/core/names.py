@@ -1,0 +1,11 @@
+"""The names that settings used across layers may take (partitions, output spaces, mixed precisions,
+linearizations, rescalers). They live in this module, which imports nothing, so that `RunConfig`, the strategy
+configs and `hf-fedtask --help` can check and document them without importing torch, datasets or
+transformers. The modules that implement them import them from here."""
+
+PARTITIONS = ("iid", "dirichlet", "classes")  # hf_fedtask.data.partition
+PER_TASK, MAX, UNION = "per_task", "max", "union"
+OUTPUT_SPACES = (PER_TASK, MAX, UNION)  # hf_fedtask.model.output_space
+MIXED_PRECISIONS = ("no", "bf16", "fp16")  # Accelerate's names (hf_fedtask.model.device)
+LINEARIZATIONS = ("network", "lora_layers")  # hf_fedtask.model.linearize.MODES
+RESCALERS = ("global_sum", "per_tensor_mean")  # hf_fedtask.merge.unify
