@@ -211,15 +211,18 @@ def install_probes(loaded: float | None = None) -> None:
         _probe["process"]["imported"] = time.time()
 
 
-def write_probe_app(folder: Path) -> Path:
+def write_probe_app(folder: Path, client_probes: bool = True) -> Path:
     """hf_fedtask's Flower app folder with its components replaced by a module (beside the manifest,
-    so it travels in the FAB) that installs the probes, then exposes hf_fedtask's own apps."""
+    so it travels in the FAB) that installs the probes, then exposes hf_fedtask's own apps.
+    `client_probes=False` keeps hf_fedtask's own ClientApp (with warm workers the probes run in the
+    workers, and a ClientApp that imported them would import torch)."""
     from hf_fedtask.engine.flower.manifest import write_app_dir
 
     app = write_app_dir(folder)
     text = (app / "pyproject.toml").read_text()
     text = text.replace('"hf_fedtask.engine.flower.app:server_app"', f'"{PROBE_MODULE}:server_app"')
-    text = text.replace('"hf_fedtask.engine.flower.app:client_app"', f'"{PROBE_MODULE}:client_app"')
+    if client_probes:
+        text = text.replace('"hf_fedtask.engine.flower.app:client_app"', f'"{PROBE_MODULE}:client_app"')
     (app / "pyproject.toml").write_text(text)
     (app / f"{PROBE_MODULE}.py").write_text(
         '"""Written by benchmarks/engine_overhead.py: hf_fedtask\'s apps with timing probes."""\n'
@@ -265,7 +268,7 @@ def make_config(args, output_dir: Path, model: dict):
                      **model)
 
 
-def run_engine(engine: str, config, federation: Federation | None, app_dir: Path | None) -> dict:
+def run_engine(engine: str, config, federation: Federation | None, app_dir: Path | dict | None) -> dict:
     """Run the job once through `engine`; its wall time and what the analysis reads."""
     from hf_fedtask.engine.run import run
 
@@ -277,7 +280,7 @@ def run_engine(engine: str, config, federation: Federation | None, app_dir: Path
 
         run(config, engine=local_grid_engine())
     else:
-        federation.launch(config, app_dir=app_dir)
+        federation.launch(config, app_dir=app_dir[engine])
     return analyse(engine, Path(config.output_dir), time.monotonic() - start)
 
 
@@ -359,13 +362,22 @@ def analyse(engine: str, run_dir: Path, wall: float) -> dict:
                 phases["packing"].append(h["t1"] - last_train)
             row["client_phases"] = {k: _mean(v) for k, v in phases.items()}  # per client, overlapping
             row["client_phases"]["last_reply"] = e1 - max((h["t1"] for h in handles), default=e1)  # per exchange
+        if engine == "warm" and exchanges and handles:
+            e0, e1 = exchanges[0]["t0"], exchanges[-1]["t1"]
+            row["client_phases"] = {  # per client (overlapping), but the first, last and reply: per exchange
+                "to_worker": _mean(h["t0"] - e0 for h in handles),
+                "first_at_worker": min(h["t0"] for h in handles) - e0,
+                "last_at_worker": max(h["t0"] for h in handles) - e0,
+                "training": _mean(sum(b - a for a, b in h["trains"]) for h in handles),
+                "worker_other": _mean(h["t1"] - h["t0"] - sum(b - a for a, b in h["trains"]) for h in handles),
+                "last_reply": e1 - max(h["t1"] for h in handles)}
         row["without_startup"] = row["seconds"] - row["stall"]
         rounds.append(row)
     steady = [r for r in rounds if r["round"] >= 2] or rounds
     keys = ("seconds", "cpu", "exchange", "eval", "handle", "train", "serialization", "server_other", "client_other",
             "exchange_overhead", "stall", "without_startup")
     summary = {k: _mean(r[k] for r in steady) for k in keys}
-    if engine == "deployment":
+    if engine in ("deployment", "warm"):
         summary["client_phases"] = {k: _mean(r["client_phases"][k] for r in steady if "client_phases" in r)
                                     for k in steady[0].get("client_phases", {})}
     return {"engine": engine, "wall": wall, "first_round": rounds[0]["seconds"],
@@ -423,6 +435,19 @@ def print_tables(reps: list[dict], startup: float | None) -> dict:
                 print(f"{LABELS['deployment_no_startup']:<32}{i:>4}{_f(p['without_startup'])}"
                       f"{_f(ratios.get('deployment_no_startup/inprocess'))}"
                       f"   (start-up stall {p['stall']:.2f} s/round)")
+    if "warm" in names:
+        print("\ndeployment with warm workers, per train exchange (mean over steady rounds), seconds")
+        cols = list(reps[0]["warm"]["per_round"]["client_phases"])
+        print(f"{'rep':>4}" + "".join(f"{c:>16}" for c in cols))
+        for i, rep in enumerate(reps, 1):
+            ph = rep["warm"]["per_round"]["client_phases"]
+            print(f"{i:>4}" + "".join(_f(ph[c], 16) for c in cols))
+        print("  to_worker: exchange start -> the worker starts handling (SuperLink, the SuperNode's pull, its "
+              "SuperExec's poll, the ClientApp process's start with flwr's imports, the forward), mean over clients; "
+              "first/last_at_worker: the earliest and latest client; training: LocalTrainer.train in the worker "
+              "(4 workers share the cores); worker_other: the rest of the worker's handling; last_reply: the last "
+              "worker's answer -> the exchange's end (the ClientApp's return, its push, the SuperNode's, the "
+              "server's pull)")
     if "deployment" in names:
         print("\ndeployment, per ClientApp process and train message (mean over clients and steady rounds; "
               "clients overlap), seconds")
@@ -507,7 +532,8 @@ def main(argv: list[str] | None = None) -> dict:
         with deployment or contextlib.nullcontext() as federation, \
                 warm_federation or contextlib.nullcontext() as warm_fed:
             if federation is not None or warm_fed is not None:
-                app_dir = write_probe_app(workdir / "hf-fedtask-flower")
+                app_dir = {"deployment": write_probe_app(workdir / "hf-fedtask-flower"),
+                           "warm": write_probe_app(workdir / "hf-fedtask-flower-warm", client_probes=False)}
             for fed, name in ((federation, "deployment"), (warm_fed, "deployment with warm workers")):
                 if fed is not None:
                     print(f"{name}: SuperLink + {args.clients} SuperNodes up in {fed.startup_s:.1f} s", flush=True)

@@ -107,7 +107,7 @@ _UNLEARN_MODES = (
                  workflow="negate_task", flags={"--scale": "scale", "--task-vector": "task_vector"},
                  note=" (one subtraction of the task's vector: no rounds, nothing to resume)"),
     _UnlearnMode(label="--method f2l2", method="f2l2", targets=("--client",), workflow="remove_client",
-                 fixed={"method": "f2l2"}, flags={"--l2": "l2", "--gradient": "gradient",
+                 fixed={"method": "f2l2"}, flags={"--rho": "rho", "--l2": "l2", "--gradient": "gradient",
                                                   "--cg-iterations": "iterations", "--cg-tolerance": "tolerance"},
                  note=" (one Newton step on the server: no rounds)"),
     _UnlearnMode(label="--method sga", method="sga", targets=("--client",), workflow="remove_client",
@@ -350,8 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=_UNLEARN_METHODS, default="negate",
                    help="how a client is removed: negate (federated, --rounds), f2l2 (one Newton step on the server, "
                         "F²L² runs), sga (gradient ascent on the client's data, the baseline)")
+    p.add_argument("--rho", type=float, default=None,
+                   help="f2l2: damp the removal step with λ = ρ·λ_max(H_s), the server Hessian's largest eigenvalue "
+                        "(default: the run's removal_damping, relative with removal_rho 0.01)")
     p.add_argument("--l2", type=float, default=None,
-                   help="f2l2: λ of the removal step (default: the run's removal_l2, 10)")
+                   help="f2l2: damp the removal step with this absolute λ instead (not with --rho)")
     p.add_argument("--gradient", choices=("target", "retained"), default=None,
                    help="f2l2: g from the removed client's gradient (default) or from the retained clients'")
     p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")

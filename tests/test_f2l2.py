@@ -23,7 +23,7 @@ from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.run import run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
-from hf_fedtask.model.newton import GaussNewton, conjugate_gradient
+from hf_fedtask.model.newton import GaussNewton, conjugate_gradient, largest_eigenvalue
 from hf_fedtask.strategies.f2l2 import RemovalOptions
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
 
@@ -77,6 +77,38 @@ def test_gauss_newton_products_and_cg_equal_a_direct_solve():
     torch.testing.assert_close(flat(x), direct, rtol=1e-3, atol=1e-5)
 
 
+def test_lanczos_finds_the_largest_eigenvalue_of_the_gauss_newton_hessian():
+    """λ_max of H = (2/n)·JᵀJ by Lanczos over the jvp/vjp products equals torch.linalg.eigvalsh of the matrix
+    formed explicitly (through its Gram form (2/n)·JJᵀ, which has the same non-zero eigenvalues: P ≈ 84,000
+    is too large for a P × P matrix); and on an explicit matrix with 200 evenly spaced eigenvalues, where the
+    Rayleigh quotient of plain power iteration is still 0.5% below λ_max after 60 products."""
+    env = Environment(RunConfig(**DIGITS, num_clients=2, strategy="f2l2"))
+    task = env.tasks[0].name
+    point = TaskVector({**env.initial.vectors[SHARED], **env.initial_heads[task]})
+    data = env.test_data(task).select(range(8))
+    with env.host.loaded(point) as model:
+        model.eval()
+        inputs = {k: v for k, v in env.host.inputs.collator([data[i] for i in range(len(data))]).items()
+                  if k != "labels"}
+        jac = _jacobian(model, inputs).double()
+    exact = float(torch.linalg.eigvalsh(2 / len(data) * jac @ jac.T)[-1])
+    with GaussNewton(env.host, point, data, batch_size=4) as hessian:
+        estimate, info = largest_eigenvalue(hessian, point, iterations=30)
+    assert estimate == pytest.approx(exact, rel=1e-3) and info.iterations < 30
+
+    gen = torch.Generator().manual_seed(1)
+    basis, _ = torch.linalg.qr(torch.randn(200, 200, generator=gen, dtype=torch.float64))
+    spectrum = torch.linspace(0.05, 10.0, 200, dtype=torch.float64)
+    matrix = (basis * spectrum) @ basis.T
+    template = TaskVector({"a": torch.zeros(120), "b": torch.zeros(8, 10)})
+
+    def apply(v: TaskVector) -> TaskVector:
+        return TaskVector.unflatten((matrix @ v.flatten().double()).float(), template)
+
+    estimate, info = largest_eigenvalue(apply, template, iterations=60)
+    assert estimate == pytest.approx(10.0, rel=1e-3) and estimate <= 10.0 * (1 + 1e-5)
+
+
 def test_backdoor_data_carry_the_trigger_and_the_target():
     task = load_task("digits")
     train = task.dataset["train"].select(range(20))
@@ -109,6 +141,9 @@ def test_f2l2_removes_the_backdoor_on_the_server_alone(backdoored, monkeypatch):
     results = remove_client(root / "trained", 0, output_dir=root / "removed")
     after, u = results["tasks"]["digits"], results["unlearning"]
     assert u["client_messages"] == 0 and u["relative_residual"] < 1e-5
+    # the default damping is relative to the server Hessian's scale, and the removal records it
+    assert u["damping"] == "relative" and u["rho"] == 0.01 and u["lambda_max"] > 0 and u["eigen_iterations"] >= 2
+    assert u["l2"] == pytest.approx(u["rho"] * u["lambda_max"]) and f"{u['rho']:g} × " in u["how"]
     assert after["backdoor_success_rate"] <= reference["backdoor_success_rate"] + 0.1
     # measured (λ = 10): clean accuracy 0.88 after the removal, 0.90 before, 0.97 retrained (the digits recipe,
     # whose max_train_samples reorders the data: 0.84, 0.89, 0.95)
@@ -136,6 +171,8 @@ def test_the_retained_gradient_form_and_sga_are_there_to_compare(backdoored):
     assert sga["unlearning"]["client_messages"] == 1
     retained = remove_client(root / "trained", 0, gradient="retained", output_dir=root / "retained")
     assert retained["unlearning"]["gradient"] == "retained" and retained["unlearning"]["client_messages"] == 0
+    absolute = remove_client(root / "trained", 0, l2=10.0, output_dir=root / "absolute")["unlearning"]
+    assert absolute["damping"] == "absolute" and absolute["l2"] == 10.0 and absolute["lambda_max"] is None
 
 
 def test_f2l2_refusals(tmp_path, backdoored):
@@ -169,6 +206,27 @@ def test_a_removal_without_cg_iterations_is_refused_before_anything_is_written(b
         with pytest.raises(ConfigError, match="cg_iterations must be >= 1"):
             RemovalOptions(iterations=iterations)
     assert RemovalOptions(iterations=1).iterations == 1
+
+
+def test_bad_damping_options_are_one_line_errors(backdoored, capsys):
+    """ρ must be positive, ρ and an absolute λ exclude each other, the damping mode is one of two: refused
+    by the removal options, the run's strategy options and the CLI (exit 2, one line, nothing written)."""
+    for kwargs, message in (({"rho": 0.0}, "rho must be > 0"), ({"rho": -1.0}, "rho must be > 0"),
+                            ({"l2": -1.0}, "l2 must be >= 0"), ({"rho": 0.1, "l2": 1.0}, "not both")):
+        with pytest.raises(ConfigError, match=message):
+            RemovalOptions(**kwargs)
+    for options, message in (({"removal_rho": 0.0}, "removal_rho"), ({"removal_damping": "hessian"}, "hessian"),
+                             ({"removal_l2": -1.0}, "removal_l2")):
+        with pytest.raises(ConfigError, match=message):
+            RunConfig(**{**BACKDOOR, "strategy_options": options})
+    trained = backdoored[0] / "trained"
+    for flags, message in ((["--rho", "0"], "rho must be > 0"), (["--rho", "0.1", "--l2", "3"], "not both")):
+        assert main(["unlearn", str(trained), "--client", "0", "--method", "f2l2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not trained.with_name("trained-remove-client0-f2l2").exists()
+    assert main(["unlearn", str(trained), "--client", "0", "--method", "sga", "--rho", "0.1"]) == 2
+    assert "--rho does not apply to --method sga" in capsys.readouterr().err
 
 
 def test_linear_probe_runs_f2l2_and_its_removal(tiny_bert_dir, tiny_tasks_dir, tmp_path):

@@ -238,4 +238,5 @@ def test_the_dp_table_recipe_writes_its_table(tiny_bert_dir, tiny_tasks_dir, tmp
     cells = json.loads((out / "dp_table.json").read_text())["fedavg"]
     assert cells["4"]["privacy"]["epsilon"] == pytest.approx(4.0, rel=1e-3)
     assert cells["inf"]["privacy"]["epsilon"] is None
+    assert "no DP" in table and cells["no_dp"]["privacy"] is None  # the reference run has no DP at all
     assert (out / "dp_table.png").stat().st_size > 1000

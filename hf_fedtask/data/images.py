@@ -12,6 +12,7 @@ ClassLabel with the dataset's class names, cached as Arrow after the first build
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,25 @@ def load_fashion_mnist(cache_dir=None) -> Task:
                 description="Fashion-MNIST (Xiao, Rasul and Vollgraf, 2017): 10 clothing classes, 28×28 grayscale")
 
 
+def load_mnist(cache_dir=None) -> Task:
+    """MNIST (LeCun et al., 1998), 60,000 train / 10,000 test 28×28 digits, from its four idx files in the
+    folder $HF_FEDTASK_MNIST: no Debian or pip package installs them, so the folder is the user's to provide."""
+    folder = Path(os.environ.get("HF_FEDTASK_MNIST") or "")
+    if not os.environ.get("HF_FEDTASK_MNIST") or not all((folder / f).is_file()
+                                                          for pair in IDX_FILES.values() for f in pair):
+        raise DataError("mnist: set HF_FEDTASK_MNIST to a folder holding train-images-idx3-ubyte.gz, "
+                        "train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz")
+
+    def build() -> DatasetDict:
+        return DatasetDict({split: _image_split(read_idx(folder / images), read_idx(folder / labels),
+                                                [str(d) for d in range(10)])
+                            for split, (images, labels) in IDX_FILES.items()})
+
+    data = _cached(f"mnist-{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:10]}", build, cache_dir)
+    return Task("mnist", data, text_column="image", label_column="label", group="image",
+                description="MNIST (LeCun et al., 1998): 10 handwritten digits, 28×28 grayscale")
+
+
 def load_digits_task(seed: int = 0, cache_dir=None) -> Task:
     """scikit-learn's 1,797 8×8 digits (values 0–16 scaled to 0–255), a seeded stratified 80/20 split."""
     def build() -> DatasetDict:
@@ -107,5 +127,6 @@ def load_digits_task(seed: int = 0, cache_dir=None) -> Task:
 
 
 IMAGE_TASKS = {"fashion_mnist": lambda seed, cache_dir: load_fashion_mnist(cache_dir),
+               "mnist": lambda seed, cache_dir: load_mnist(cache_dir),
                "digits": lambda seed, cache_dir: load_digits_task(seed, cache_dir)}
 """Image tasks `load_task` resolves by name."""

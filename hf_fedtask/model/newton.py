@@ -7,8 +7,9 @@ against one-hot targets summed over classes and averaged over samples (`OneHotMS
     H·v   = (2/n)·Σ_x J(x)ᵀJ(x)·v                        `gauss_newton_product` (exact: D is quadratic)
 
 H·v costs one forward pass with a jvp (J·v) and one backward pass (Jᵀ·), never the P × P matrix;
-`conjugate_gradient` solves (H + λI)·v = g with these products (`GaussNewton`). Vectors are `TaskVector`s of the
-trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and
+`conjugate_gradient` solves (H + λI)·v = g with these products (`GaussNewton`), and `largest_eigenvalue`
+finds λ_max(H) with them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against. Vectors
+are `TaskVector`s of the trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and
 the Hessian-free libraries around are unmaintained. Batches go to the host model's device; the
 vectors returned are CPU tensors.
 """
@@ -142,3 +143,49 @@ def conjugate_gradient(apply: Callable[[TaskVector], TaskVector], b: TaskVector,
         rs = rs_new
     residual = (b - product(x)).norm() / b_norm
     return x, SolveInfo(done, float(residual))
+
+
+@dataclass
+class EigenInfo:
+    """How `largest_eigenvalue` ended: products taken and the last relative change of the estimate."""
+
+    iterations: int
+    relative_change: float
+
+
+def largest_eigenvalue(apply: Callable[[TaskVector], TaskVector], template: TaskVector, *, iterations: int = 30,
+                       tolerance: float = 1e-4, seed: int = 0) -> tuple[float, EigenInfo]:
+    """λ_max of a symmetric positive semi-definite A given as `apply`, shaped like `template`: Lanczos with
+    full reorthogonalization from a seeded random start (the Krylov space power iteration explores, read
+    through its best Ritz value instead of the last iterate, so a small gap λ₁/λ₂ costs far fewer products).
+    Stops when the top Ritz value changes by at most `tolerance` (relative) or after `iterations` products;
+    the estimate never exceeds the true λ_max."""
+    generator = torch.Generator().manual_seed(seed)
+    q = TaskVector({k: torch.randn(t.shape, generator=generator, dtype=torch.float32) for k, t in template.items()})
+    q = q * (1.0 / q.norm())
+    basis, alphas, betas = [q], [], []
+    estimate, change, done = 0.0, float("inf"), 0
+    for done in range(1, iterations + 1):
+        w = apply(q)
+        alphas.append(w.dot(q))
+        for v in basis:  # full reorthogonalization: the basis stays orthonormal in float32
+            w = w - v * w.dot(v)
+        ritz = float(torch.linalg.eigvalsh(_tridiagonal(alphas, betas))[-1])
+        change = abs(ritz - estimate) / max(abs(ritz), 1e-30)
+        estimate = ritz
+        beta = w.norm()
+        if change <= tolerance or beta <= 1e-10 * max(abs(ritz), 1e-30):  # converged, or an invariant subspace
+            break
+        betas.append(beta)
+        q = w * (1.0 / beta)
+        basis.append(q)
+    return estimate, EigenInfo(done, change)
+
+
+def _tridiagonal(alphas: list[float], betas: list[float]) -> torch.Tensor:
+    """The Lanczos matrix T with diagonal `alphas` and off-diagonal `betas` (float64)."""
+    t = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if betas:
+        off = torch.tensor(betas[:len(alphas) - 1], dtype=torch.float64)
+        t = t + torch.diag(off, 1) + torch.diag(off, -1)
+    return t

@@ -160,13 +160,15 @@ REMOVED_MODEL = "model.safetensors"
 
 
 def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2: float | None = None,
-                  gradient: str = "target", iterations: int = 200, tolerance: float = 1e-6, sga_epochs: float = 1.0,
-                  sga_lr: float = 1e-3, output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
+                  rho: float | None = None, gradient: str = "target", iterations: int = 200, tolerance: float = 1e-6,
+                  sga_epochs: float = 1.0, sga_lr: float = 1e-3, output_dir: str | Path | None = None,
+                  overwrite: bool = False) -> dict:
     """Remove client `client` from a finished F²L² run in one step and write the result (evaluated,
     exported, carded) to `output_dir` (default `<run_dir>-remove-client<K>-<method>`).
 
-    `f2l2`: w₋ = w* − (H_s + λI)⁻¹·g₋ on the server alone (`F2L2.remove_client`; `l2` λ, `gradient`
-    the form of g₋, CG `iterations` and `tolerance`). `sga`: the client runs `sga_epochs` of
+    `f2l2`: w₋ = w* − (H_s + λI)⁻¹·g₋ on the server alone (`F2L2.remove_client`; λ = `rho`·λ_max(H_s) or
+    an absolute `l2`, by default the run's `removal_damping`; `gradient` the form of g₋, CG `iterations`
+    and `tolerance`). `sga`: the client runs `sga_epochs` of
     stochastic gradient ascent (SGD, `sga_lr`) on its own data's loss from w*. Returns the results,
     whose `unlearning` entry holds the metrics before and after, the wall time, one training round's
     median time and the number of client messages the removal took; the model itself is also saved
@@ -177,7 +179,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     if method not in REMOVAL_METHODS:
         raise ConfigError(f"unknown removal method {method!r}; choose one of {', '.join(REMOVAL_METHODS)}")
     # checked before the run is opened: nothing is loaded or written for options the step would refuse
-    options = (RemovalOptions(l2=l2, gradient=gradient, iterations=iterations, tolerance=tolerance)
+    options = (RemovalOptions(l2=l2, rho=rho, gradient=gradient, iterations=iterations, tolerance=tolerance)
                if method == "f2l2" else None)
     finished = open_finished_run(run_dir)
     run_dir, env, state = finished.run_dir, finished.env, finished.state
@@ -197,11 +199,15 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     if method == "f2l2":
         removal = strategy.remove_client(state, env, client, options)
         new_state, messages = removal.state, 0
-        details = {"l2": removal.l2, "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
+        details = {"l2": removal.l2, "damping": removal.damping, "rho": removal.rho,
+                   "lambda_max": removal.lambda_max, "eigen_iterations": removal.eigen_iterations,
+                   "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm}
-        how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:g} and the {removal.gradient} "
-               f"form of g, solved by conjugate gradient ({removal.cg_iterations} iterations, relative residual "
-               f"{removal.relative_residual:.1e}); no client was contacted (F²L²)")
+        scale = (f" = ρ·λ_max(H_s) = {removal.rho:g} × {removal.lambda_max:.4g}" if removal.damping == "relative"
+                 else " (absolute)")
+        how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:.4g}{scale} and the "
+               f"{removal.gradient} form of g, solved by conjugate gradient ({removal.cg_iterations} iterations, "
+               f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
     else:
         new_state, messages = _gradient_ascent(strategy, state, env, client, sga_epochs, sga_lr), 1
         details = {"sga_epochs": sga_epochs, "sga_lr": sga_lr}
