@@ -6,6 +6,8 @@ import importlib.util
 import sys
 import warnings
 
+from hf_fedtask.core.lazy import lazy_attributes
+
 __version__ = "0.1.0"
 __all__ = ["LinearizedModel", "load_linearized", "load_task_adapter", "load_tct", "negate_task", "unlearn"]
 
@@ -19,11 +21,8 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    # Imported on first use: they pull in torch and peft, which `import hf_fedtask` should not.
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Imported on first use: they pull in torch and peft, which `import hf_fedtask` should not.
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 
 # hf_fedtask's own PEFT method (the bottleneck adapter, `hf_fedtask.model.bottleneck`) registers itself

@@ -5,8 +5,7 @@ The builtin tasks' declarations (`BUILTIN_TASKS`, `SUITES`) are light; the rest 
 and is imported on first use (PEP 562 `__getattr__`), so that `RunConfig` and `hf-fedtask --help`
 can name the suites without it."""
 
-import importlib
-
+from hf_fedtask.core.lazy import lazy_attributes
 from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES, BuiltinTask
 
 # name -> the module of hf_fedtask.data that defines it (imported on first use)
@@ -27,16 +26,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = ["BUILTIN_TASKS", "SUITES", "BuiltinTask", *_LAZY]

@@ -5,8 +5,7 @@ The config classes and the registry's lookups are light (`configs.py`, `registry
 are imported on first use (PEP 562 `__getattr__`), and then all of them at once, so that `STRATEGIES` is
 complete whenever it is read from here."""
 
-import importlib
-
+from hf_fedtask.core.lazy import lazy_attributes
 from hf_fedtask.strategies.configs import (
     F2L2Config,
     FedAvgConfig,
@@ -49,18 +48,8 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        load_builtin_strategies()  # every builtin registered before any of them (or STRATEGIES) is handed out
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
+# every builtin registered before any of them (or STRATEGIES) is handed out
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, before=load_builtin_strategies)
 
 __all__ = [  # the light names above, then the lazy ones
     "F2L2Config", "FedAvgConfig", "FedPerConfig", "FedProxConfig", "FedYoloConfig", "MaTFLConfig", "MaTUConfig",

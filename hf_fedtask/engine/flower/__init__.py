@@ -15,7 +15,7 @@ The names below are imported on first use, so that a ClientApp process (which im
 no torch.
 """
 
-import importlib
+from hf_fedtask.core.lazy import lazy_attributes
 
 _LAZY = {
     "discover_clients": "discovery",
@@ -29,7 +29,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
