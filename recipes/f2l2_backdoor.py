@@ -72,7 +72,7 @@ DEFAULTS = {
     "export": False,
     "output_dir": "runs/f2l2_backdoor",
 }
-RHOS = (0.001, 0.003, 0.03, 0.1)  # besides the default ρ: the sweep the default was chosen from
+RHOS = (0.001, 0.01, 0.03, 0.1)  # besides the default ρ: the sweep the default was chosen from
 L2S = (10.0,)  # absolute λ: the former default
 
 

@@ -169,10 +169,13 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     table = json.loads((out / "f2l2_backdoor.json").read_text())
     rows = table["rows"]
     assert list(rows)[:2] == ["trained", "retrained"] and rows["retrained"]["distance_to_retrain"] == 0
-    assert rows["f2l2 (λ=10)"]["messages"] == 0 and rows["SGA"]["messages"] == 1
+    (default,) = [name for name in rows if name.startswith("f2l2 (default, ρ=")]
+    assert rows[default]["messages"] == 0 and rows["f2l2 (λ=10 absolute)"]["messages"] == 0
+    assert rows["SGA"]["messages"] == 1
     assert (rows["FedAvg + negation (1 rounds)"]["messages"] == 3
             and rows["FedAvg trained"]["distance_to_retrain"] is None)
-    assert table["decomposition"]["lambda"] == 10
+    decomposition = table["decomposition"]  # the default removal's damping: λ = ρ·λ_max(H_s)
+    assert decomposition["lambda"] == pytest.approx(decomposition["rho"] * decomposition["lambda_max"], rel=1e-6)
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
 
 

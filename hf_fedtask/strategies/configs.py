@@ -113,10 +113,10 @@ class F2L2Config(StrategyConfig):
     pretrain_lr: float = option(1e-3, "learning rate of the server's pretraining", minimum=0.0)
     l2: float = option(0.0, "λ of the training objective's (λ/2)·‖w‖² (the official code trains with 0)", minimum=0.0)
     removal_damping: str = option("relative", "how the removal step (H_s + λI)⁻¹·g is damped: relative, λ = "
-                                  "removal_rho·λ_max(H_s) (λ_max by Lanczos on the server's slice: the same λ/λ_max "
-                                  "fits an MLP, LoRA and a linear probe), or absolute, λ = removal_l2",
+                                  "removal_rho·λ_max(H_s) (λ_max by Lanczos on the server's slice, so λ follows the "
+                                  "Hessian's scale from one model to another), or absolute, λ = removal_l2",
                                   choices=("relative", "absolute"))
-    removal_rho: float = option(0.01, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
+    removal_rho: float = option(0.003, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
                                 "accuracy, a larger one lets the backdoor survive (the README's F²L² section)",
                                 minimum=0.0, exclusive_minimum=True)
     removal_l2: float = option(10.0, "λ of the removal step under removal_damping absolute; equal to l2 > 0 it is "
