@@ -15,30 +15,8 @@
 # (538 MB; the llm section builds a random model of its shape from its config).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-exclude="$(git rev-parse --git-path info/exclude)"
-mkdir -p "$(dirname "$exclude")"
-for path in /.whl/ /.gpu_assets/; do
-  grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
-done
-
-version() { python3 -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
-wheels=()
-for name in datasets evaluate dill multiprocess httpx2 httpcore2 truststore peft; do
-  wheels+=("$name==$(version "$name")")
-done
-wheels+=("bitsandbytes==${BITSANDBYTES_VERSION:-0.50.2}")  # has libbitsandbytes_cuda130 (the box: torch cu130)
-
-rm -rf .whl && mkdir .whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-  -d .whl "${wheels[@]}"
-
-# hf_fedtask from a copy of the files that travel (pip would leave build/ and egg-info in the tree)
-src="$(mktemp -d)"
-trap 'rm -rf "$src"' EXIT
-git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$src"
-python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl "$src"
+. benchmarks/gpu_carry.sh
+carry_wheels .gpu_assets "bitsandbytes==${BITSANDBYTES_VERSION:-0.50.2}"  # has libbitsandbytes_cuda130 (torch cu130)
 
 rm -rf .gpu_assets  # made afresh: the tokenizer files, builtin-30 as save_to_disk folders, the stand-in, SmolLM2's files
 python3 benchmarks/gpu_check.py --prepare-only --assets .gpu_assets

@@ -7,25 +7,8 @@
 # them). Both folders are ignored through .git/info/exclude. Prints what travels (limit 64 MiB) and the calls.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-exclude="$(git rev-parse --git-path info/exclude)"
-mkdir -p "$(dirname "$exclude")"
-for path in /.whl/ /.gpu_data/; do
-  grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
-done
-
-version() { python3 -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
-wheels=()
-for name in datasets evaluate dill multiprocess httpx2 httpcore2 truststore peft; do
-  wheels+=("$name==$(version "$name")")
-done
-rm -rf .whl && mkdir .whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .whl "${wheels[@]}"
-src="$(mktemp -d)"
-trap 'rm -rf "$src"' EXIT
-git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$src"
-python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl "$src"
+. benchmarks/gpu_carry.sh
+carry_wheels .gpu_data  # no bitsandbytes: these scripts train no quantized model
 
 rm -rf .gpu_data && mkdir -p .gpu_data/fashion-mnist
 fmnist="${HF_FEDTASK_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}"
