@@ -59,13 +59,13 @@ def add_central_noise(updates: list[ClientUpdate], settings, round_: int, public
     counts = contributors({i: u.vectors for i, u in enumerate(updates)}, public)
     generator = noise_generator(settings.noise_seed, SERVER_STREAM, round_)
     if settings.noise == SERVER:
-        out = []
-        for u in sorted(updates, key=lambda u: u.client_id):
+        out = list(updates)
+        for i in sorted(range(len(updates)), key=lambda i: updates[i].client_id):  # noise drawn in client order
+            u = updates[i]
             vectors, _, _ = clip_jointly(u.vectors, clip, skip=public) if u.client_id >= 0 else (u.vectors, 0, 0)
             stds = {n: share_std(sigma, clip, counts[n]) for n in vectors if n not in public}
-            out.append(dataclasses.replace(u, vectors=add_noise(vectors, stds, generator)))
-        order = {id(u): i for i, u in enumerate(sorted(updates, key=lambda u: u.client_id))}
-        return [out[order[id(u)]] for u in updates]
+            out[i] = dataclasses.replace(u, vectors=add_noise(vectors, stds, generator))
+        return out
     got = dict(received) if received is not None else counts
     missing = {n: sigma * clip * math.sqrt((h - got.get(n, 0)) / h)
                for n, h in (instructed or {}).items() if got.get(n, 0) < h and n in counts}

@@ -315,16 +315,19 @@ def as_point(vectors: Mapping[str, TaskVector]) -> dict[str, TaskVector]:
     return {point_name(k): v for k, v in vectors.items() if k == SHARED or k.startswith(HEAD)}
 
 
-def shared_mean(updates: Iterable[ClientUpdate]) -> TaskVector:
-    """The sample-weighted mean of the clients' changes of the shared modules."""
+def shared_mean(updates: Iterable[ClientUpdate], uniform: bool = False) -> TaskVector:
+    """The sample-weighted mean of the clients' changes of the shared modules (`uniform`: every client
+    weighs 1, as client-level DP needs)."""
     updates = list(updates)
-    return weighted_average([u.vectors[SHARED] for u in updates], (u.total_samples for u in updates))
+    weights = [1.0] * len(updates) if uniform else [u.total_samples for u in updates]
+    return weighted_average([u.vectors[SHARED] for u in updates], weights)
 
 
-def fedavg_shared(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0) -> TaskVector:
+def fedavg_shared(state: GlobalState, updates: Iterable[ClientUpdate], server_lr: float = 1.0,
+                  uniform: bool = False) -> TaskVector:
     """FedAvg's step of the shared modules: moved by `server_lr` times the sample-weighted mean of the
-    clients' changes (all clients: every client trains the shared modules)."""
-    return state.vectors[SHARED] + server_lr * shared_mean(updates)
+    clients' changes (all clients: every client trains the shared modules; `uniform`: every client weighs 1)."""
+    return state.vectors[SHARED] + server_lr * shared_mean(updates, uniform)
 
 
 def updates_by_task(updates: Iterable[ClientUpdate]) -> dict[str, list[ClientUpdate]]:

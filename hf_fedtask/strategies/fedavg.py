@@ -32,7 +32,6 @@ from hf_fedtask.core.state import tracked_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.merge import weighted_average
 from hf_fedtask.merge.lora_product import as_factors, factor_step_error, lora_pairs, product_step
 from hf_fedtask.privacy.hooks import ClientPrivacy
 from hf_fedtask.strategies.base import (
@@ -121,8 +120,7 @@ class FedAvg(Strategy, ClientPrivacy):
         the clients' (clipped, noised) changes and each head by the plain mean over its holders (sample counts
         are 1 under DP), so both are noisy sums over fixed counts; the LoRA factor error, measured on
         individual uploads, is not released."""
-        step = weighted_average([u.vectors[SHARED] for u in updates], [1.0] * len(updates))
-        return state.next({SHARED: state.vectors[SHARED] + self.config.server_lr * step,
+        return state.next({SHARED: fedavg_shared(state, updates, self.config.server_lr, uniform=True),
                            **average_heads(state, updates, self.config.server_lr)})
 
 

@@ -92,9 +92,7 @@ class Scaffold(Strategy, ClientPrivacy):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate], *, uniform: bool = False
                          ) -> GlobalState:
         eta, allocation = self.config.server_lr, state.allocation
-        shared = (state.vectors[SHARED] + eta * plain_mean(u.vectors[SHARED] for u in updates) if uniform
-                  else fedavg_shared(state, updates, eta))
-        vectors = {SHARED: shared, **average_heads(state, updates, eta)}
+        vectors = {SHARED: fedavg_shared(state, updates, eta, uniform), **average_heads(state, updates, eta)}
         share = len(updates) / len(allocation)  # |S| / N
         vectors[control_name(SHARED)] = state.vectors[control_name(SHARED)] + share * plain_mean(
             u.vectors[control_name(SHARED)] for u in updates)
