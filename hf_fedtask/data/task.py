@@ -57,7 +57,7 @@ class Task:
         return max(labels.count(c) for c in set(labels)) / len(labels)
 
 
-def prepared(dataset, encode, key: str):
+def prepared(dataset, encode, key: str, features=None):
     """`dataset.map(encode)` in memory, batched, every original column dropped and without a progress bar
     (hundreds of tiny maps: one bar each would drown the run's own), fingerprinted by the dataset's
     fingerprint and `key` (what else decides the result): otherwise `datasets` dill-hashes `encode`'s
@@ -71,7 +71,7 @@ def prepared(dataset, encode, key: str):
     datasets.disable_progress_bars()
     try:
         return dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
-                           new_fingerprint=fingerprint)
+                           new_fingerprint=fingerprint, features=features)
     finally:
         if was_enabled:
             datasets.enable_progress_bars()

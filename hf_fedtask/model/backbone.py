@@ -11,6 +11,7 @@ portable. On first use it is also placed into the Hugging Face cache under that 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,10 +184,8 @@ class ImageInputs(ClassifierInputs):
     peft_head: ClassVar[dict] = {"modules_to_save": ["classifier"]}  # PEFT has no image-classification task type
 
     def __init__(self, processor):
-        from transformers import default_data_collator
-
         self.processor = processor
-        self.collator = default_data_collator
+        self.collator = PixelCollator()
 
     @classmethod
     def load(cls, ref: BaseModelRef, max_length: int | None = None) -> ImageInputs:  # max_length: text only
@@ -200,9 +199,17 @@ class ImageInputs(ClassifierInputs):
         return {"pixel_values": self.processor(rgb, return_tensors="pt")["pixel_values"]}
 
     def prepare(self, dataset: Dataset, task) -> Dataset:
-        """`pixel_values` + `labels`, computed on access by `with_transform` instead of stored by a map:
-        float32 pixels take 600 KB per 224x224 image (36 GB for MNIST's train split alone), while the
-        encoded images stay small. Works for partial reads such as `data["labels"]`."""
+        """`pixel_values` + `labels`. A split whose float32 pixels fit in `PIXELS_IN_MEMORY` (MNIST-sized
+        images for the small networks: 0.56 GB for MNIST's 60,000 at 3×28×28) is processed once, in
+        memory, into a torch-formatted fixed-size list column that the collator reshapes: decoding the
+        PNG and running the processor on every read made the data loader the bulk of such a model's
+        training step (`benchmarks/image_inputs.py`). Larger splits (224×224 ViT inputs take 600 KB an
+        image, 36 GB for MNIST's train split) are processed on access by `with_transform`. Both give the
+        same batches and support partial reads such as `data["labels"]`."""
+        from datasets import Features, List, Value
+
+        from hf_fedtask.data.task import prepared
+
         input_column, label_column = task.text_column, task.label_column
         data = dataset.select_columns([input_column, label_column])
         if label_column != "labels":
@@ -214,7 +221,45 @@ class ImageInputs(ClassifierInputs):
                 out.update(self.batch(batch[input_column]))
             return out
 
-        return data.with_transform(to_model_inputs)
+        if not len(data):
+            return data.with_transform(to_model_inputs)
+        shape = tuple(self.batch([data[0][input_column]])["pixel_values"].shape[1:])
+        size = math.prod(shape)
+        if len(data) * 4 * size > PIXELS_IN_MEMORY:
+            return data.with_transform(to_model_inputs)
+        self.collator.shape = shape
+
+        def to_flat_arrays(batch):
+            pixels = self.batch(batch[input_column])["pixel_values"]
+            return {"labels": batch["labels"], "pixel_values": pixels.reshape(len(pixels), size).numpy()}
+
+        # a flat fixed-size list, not an Array3D: datasets reads the latter about 8× slower per batch
+        features = Features({"labels": Value("int64"), "pixel_values": List(Value("float32"), length=size)})
+        processed = prepared(data, to_flat_arrays, f"{self.processor.to_json_string()}|{input_column}|{shape}",
+                             features)
+        # pixels as tensors, labels as the ints the on-access path gives (data["labels"] reads stay cheap)
+        return processed.with_format("torch", columns=["pixel_values"], output_all_columns=True)
+
+
+class PixelCollator:
+    """`default_data_collator`, then flat pixel rows (a split `ImageInputs.prepare` processed once) back
+    to the processor's (channels, height, width)."""
+
+    def __init__(self):
+        self.shape: tuple[int, ...] | None = None
+
+    def __call__(self, features: list[dict]) -> dict:
+        from transformers import default_data_collator
+
+        batch = default_data_collator(features)
+        pixels = batch.get("pixel_values")
+        if pixels is not None and pixels.dim() == 2 and self.shape is not None:
+            batch["pixel_values"] = pixels.view(len(pixels), *self.shape)
+        return batch
+
+
+PIXELS_IN_MEMORY = 1 << 30
+"""Bytes of float32 pixels up to which `ImageInputs.prepare` processes a split once, in memory."""
 
 
 INPUT_KINDS = {kind.kind: kind for kind in (TextInputs, ImageInputs, InstructionInputs)}

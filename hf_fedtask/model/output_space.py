@@ -68,7 +68,8 @@ class OutputSpace:
         offset = self.rows[task][0] if self.shared else 0
         if not offset:
             return data
-        return data.map(lambda batch: {"labels": [y + offset for y in batch["labels"]]}, batched=True)
+        return data.map(lambda labels: {"labels": [int(y) + offset for y in labels]}, batched=True,
+                        input_columns="labels")
 
     def task_view(self, params: TaskVector, task: str, head_keys: Sequence[str]) -> TaskVector:
         """`params` (shared modules + head) with the head cut to `task`'s own rows: the task's
