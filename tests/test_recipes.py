@@ -246,3 +246,30 @@ def test_llm_recipe_table_normalizes_by_individual_and_reports_lora_errors(tiny_
     assert "compact_ratio" in rows["matu"] and (out / "comparison.png").exists()
     md = (out / "comparison.md").read_text()
     assert "fedavg: LoRA factor error per round" in md and "exact match" in md
+
+
+def test_label_skew_recipe_tabulates_curves_and_epochs_over_seeds(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
+    """recipes/matu_label_skew.py on the tiny model: the rounds study's curve (evaluated every 2 rounds) and
+    the local-epochs study, each cell the mean over seeds of the runs' own per-round metrics."""
+    import statistics
+
+    out = tmp_path / "skew"
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out)
+    flags = flags[:flags.index("--rounds")] + flags[flags.index("--rounds") + 2:flags.index("--output-dir")]
+    argv = [*flags, "--seeds", "0", "1", "--methods", "matu_per_task_downlink", "fedavg", "--epochs-methods",
+            "fedavg", "--long-rounds", "4", "--eval-every", "2", "--epochs-rounds", "1", "--local-epochs", "2",
+            "--output-dir", str(out)]
+    assert load_recipe("matu_label_skew").main(argv) == 0
+    text = (tmp_path / "skew.md").read_text()
+    assert "| round 2 | round 4 |" in text and "1 rounds × 2 epochs (seeds)" in text
+    data = json.loads((tmp_path / "skew.json").read_text())
+    assert set(data["rounds"]) == {"matu_per_task_downlink", "fedavg"} and set(data["epochs"]) == {"fedavg"}
+    run = json.loads((out.parent / "skew_rounds" / "seed1" / "multi_task" / "fedavg" / "results.json").read_text())
+    assert run["config"]["rounds"] == 4 and run["config"]["eval_every"] == 2 and run["config"]["seed"] == 1
+    epochs_run = json.loads((out.parent / "skew_epochs" / "seed0" / "multi_task" / "fedavg" / "results.json")
+                            .read_text())
+    assert epochs_run["config"]["local_epochs"] == 2.0
+    fedavg = [data["rounds"]["fedavg"][str(k)]["rounds"]["4"] for k in (0, 1)]
+    row = next(line for line in text.splitlines() if line.startswith("| fedavg |"))
+    assert f"{100 * statistics.mean(fedavg):.1f} ± {100 * statistics.stdev(fedavg):.1f}" in row
+    assert (tmp_path / "skew.png").exists() and "table:" in capsys.readouterr().out
