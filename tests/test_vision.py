@@ -146,17 +146,21 @@ def test_paper_presets_parse(preset, num_tasks, zeta, participation, rounds):
 
 
 def test_image_inputs_processed_once_equal_processed_on_access(tiny_vit_dir, tiny_image_tasks_dir, monkeypatch):
-    """Small splits are processed once into a flat torch-formatted column the collator reshapes; above
-    PIXELS_IN_MEMORY they are processed on access. Both give the same batches, and partial reads work."""
+    """Splits are processed once into a flat torch-formatted column the collator reshapes while the pixels
+    held stay within PIXELS_IN_MEMORY, all splits together; past it they are processed on access. Both
+    give the same batches, and partial reads work."""
     from transformers import AutoImageProcessor
 
     from hf_fedtask.model import backbone
 
     inputs = backbone.ImageInputs(AutoImageProcessor.from_pretrained(tiny_vit_dir))
     task = load_task(tiny_image_tasks_dir[1])  # grayscale images, `img`/`labels` columns
-    once = inputs.prepare(task.dataset["train"], task)
-    monkeypatch.setattr(backbone, "PIXELS_IN_MEMORY", 0)
-    on_access = inputs.prepare(task.dataset["train"], task)
+    split = task.dataset["train"]
+    size = inputs.batch([split[0]["img"]])["pixel_values"][0].numel()
+    monkeypatch.setattr(backbone, "PIXELS_IN_MEMORY", 4 * size * len(split) + 4 * size)  # room for one split
+    once = inputs.prepare(split, task)
+    assert inputs.bytes_in_memory == 4 * size * len(split)
+    on_access = inputs.prepare(split, task)  # the budget is spent: this one is processed on access
     assert "pixel_values" in once.features
     assert "pixel_values" not in on_access.features  # still the raw image column, transformed per read
     assert list(once["labels"]) == list(on_access["labels"]) == list(task.dataset["train"]["labels"])

@@ -186,6 +186,7 @@ class ImageInputs(ClassifierInputs):
     def __init__(self, processor):
         self.processor = processor
         self.collator = PixelCollator()
+        self.bytes_in_memory = 0  # float32 pixels of the splits processed once so far (`PIXELS_IN_MEMORY`)
 
     @classmethod
     def load(cls, ref: BaseModelRef, max_length: int | None = None) -> ImageInputs:  # max_length: text only
@@ -199,13 +200,13 @@ class ImageInputs(ClassifierInputs):
         return {"pixel_values": self.processor(rgb, return_tensors="pt")["pixel_values"]}
 
     def prepare(self, dataset: Dataset, task) -> Dataset:
-        """`pixel_values` + `labels`. A split whose float32 pixels fit in `PIXELS_IN_MEMORY` (MNIST-sized
-        images for the small networks: 0.56 GB for MNIST's 60,000 at 3×28×28) is processed once, in
-        memory, into a torch-formatted fixed-size list column that the collator reshapes: decoding the
-        PNG and running the processor on every read made the data loader the bulk of such a model's
-        training step (`benchmarks/image_inputs.py`). Larger splits (224×224 ViT inputs take 600 KB an
-        image, 36 GB for MNIST's train split) are processed on access by `with_transform`. Both give the
-        same batches and support partial reads such as `data["labels"]`."""
+        """`pixel_values` + `labels`. While the float32 pixels this preparer holds stay within
+        `PIXELS_IN_MEMORY` (2 GiB: MNIST's 70,000 images at 3×28×28 take 0.66 GB), a split is processed
+        once, in memory, into a torch-formatted fixed-size list column that the collator reshapes:
+        decoding the PNG and running the processor on every read made the data loader the bulk of a
+        small model's training step (`benchmarks/image_inputs.py`). Past that budget (224×224 ViT inputs
+        take 600 KB an image: 36 GB for MNIST's train split) splits are processed on access by
+        `with_transform`. Both give the same batches and support partial reads such as `data["labels"]`."""
         from datasets import Features, List, Value
 
         from hf_fedtask.data.task import prepared
@@ -225,8 +226,9 @@ class ImageInputs(ClassifierInputs):
             return data.with_transform(to_model_inputs)
         shape = tuple(self.batch([data[0][input_column]])["pixel_values"].shape[1:])
         size = math.prod(shape)
-        if len(data) * 4 * size > PIXELS_IN_MEMORY:
+        if self.bytes_in_memory + len(data) * 4 * size > PIXELS_IN_MEMORY:
             return data.with_transform(to_model_inputs)
+        self.bytes_in_memory += len(data) * 4 * size
         self.collator.shape = shape
 
         def to_flat_arrays(batch):
@@ -258,8 +260,9 @@ class PixelCollator:
         return batch
 
 
-PIXELS_IN_MEMORY = 1 << 30
-"""Bytes of float32 pixels up to which `ImageInputs.prepare` processes a split once, in memory."""
+PIXELS_IN_MEMORY = 2 << 30
+"""Bytes of float32 pixels, all splits together, up to which `ImageInputs.prepare` processes splits once,
+in memory (per preparer, i.e. per base model loaded in a process)."""
 
 
 INPUT_KINDS = {kind.kind: kind for kind in (TextInputs, ImageInputs, InstructionInputs)}
