@@ -63,10 +63,12 @@ def run_studies(args, extra: list[str]) -> None:
 
 def curves(folder: Path) -> dict:
     """{method: {seed: {"rounds": {round: mean accuracy}, "train_loss": last round's}}} of finished runs."""
+    from hf_fedtask.engine.run_folder import read_history
+
     out: dict = {}
     for results in sorted(folder.glob("seed*/multi_task/*/results.json")):
         run = results.parent
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = read_history(run)
         out.setdefault(run.name, {})[int(run.parent.parent.name.removeprefix("seed"))] = {
             "rounds": {r["round"]: r["mean_metric"] for r in rows if r.get("mean_metric") is not None},
             "train_loss": rows[-1].get("train_loss")}
