@@ -15,6 +15,7 @@ label skew alone). `--methods ... scaffold` adds SCAFFOLD (control variates agai
     python recipes/matu_label_skew.py --seeds 1 --threads 1 &          # seeds side by side, a core each
     python recipes/matu_label_skew.py --seeds 2 --threads 1 &          # then the plain call tabulates all
     python recipes/matu_label_skew.py --tabulate-only                  # the table of the finished runs
+    python recipes/matu_label_skew.py --tabulate-only --predictions    # + what each run predicts per task
 
 Other flags go to `recipes/matu_8task.py` (any RunConfig key, e.g. `--learning-rate 0.001`).
 
@@ -73,6 +74,33 @@ def curves(folder: Path) -> dict:
             "rounds": {r["round"]: r["mean_metric"] for r in rows if r.get("mean_metric") is not None},
             "train_loss": rows[-1].get("train_loss")}
     return out
+
+
+def prediction_spread(output_dir: str) -> str:
+    """Per finished run and task: test accuracy, how many classes the model predicts and the majority
+    class's share of the test split (a model collapsed onto one class scores about that share). Written
+    to `<output_dir>_predictions.md`."""
+    import numpy as np
+
+    from hf_fedtask.engine.run_folder import open_finished_run
+    from hf_fedtask.engine.server import Server
+
+    lines = ["| study | seed | method | task | accuracy % | classes predicted / classes | majority class % |",
+             "|---|---|---|---|---|---|---|"]
+    for study in STUDIES:
+        for results in sorted(Path(f"{output_dir}_{study}").glob("seed*/multi_task/*/results.json")):
+            run = open_finished_run(results.parent)
+            for task in run.env.tasks:
+                data = run.env.test_data(task.name)
+                labels = np.asarray(data["labels"])
+                preds = Server(run.env).predict(run.state, task.name, data)
+                lines.append(f"| {study} | {results.parent.parent.parent.name.removeprefix('seed')} "
+                             f"| {results.parent.name} | {task.name} | {100 * np.mean(preds == labels):.1f} "
+                             f"| {len(np.unique(preds))} / {len(task.label_names)} "
+                             f"| {100 * np.bincount(labels).max() / len(labels):.1f} |")
+    text = "**What the finished runs predict on each task's test split**\n\n" + "\n".join(lines) + "\n"
+    Path(f"{output_dir}_predictions.md").write_text(text)
+    return text
 
 
 def cell(values: list[float], scale: float = 100, digits: int = 1) -> str:
@@ -138,12 +166,18 @@ def main(argv=None) -> int:
     parser.add_argument("--local-epochs", type=float, default=3.0, help="local epochs of the local-epochs study")
     parser.add_argument("--threads", type=int, help="torch CPU threads per run (1 when running seeds side by side)")
     parser.add_argument("--tabulate-only", action="store_true", help="only tabulate the runs already finished")
+    parser.add_argument("--predictions", action="store_true",
+                        help="also evaluate every finished run per task: classes predicted, accuracy against the "
+                             "majority share (<output_dir>_predictions.md)")
     parser.add_argument("--output-dir", default="runs/matu8_skew")
     args, extra = parser.parse_known_args(argv)
     if not args.tabulate_only:
         run_studies(args, extra)
     print(tabulate(args.output_dir, f"{args.epochs_rounds} rounds × {args.local_epochs:g} epochs"))
     print(f"table: {args.output_dir}.md  (and .json, .png)")
+    if args.predictions:
+        prediction_spread(args.output_dir)
+        print(f"predictions: {args.output_dir}_predictions.md")
     return 0
 
 

@@ -258,7 +258,7 @@ def test_label_skew_recipe_tabulates_curves_and_epochs_over_seeds(tiny_bert_dir,
     flags = flags[:flags.index("--rounds")] + flags[flags.index("--rounds") + 2:flags.index("--output-dir")]
     argv = [*flags, "--seeds", "0", "1", "--methods", "matu_per_task_downlink", "fedavg", "--epochs-methods",
             "fedavg", "--long-rounds", "4", "--eval-every", "2", "--epochs-rounds", "1", "--local-epochs", "2",
-            "--output-dir", str(out)]
+            "--output-dir", str(out), "--predictions"]
     assert load_recipe("matu_label_skew").main(argv) == 0
     text = (tmp_path / "skew.md").read_text()
     assert "| round 2 | round 4 |" in text and "1 rounds × 2 epochs (seeds)" in text
@@ -273,3 +273,12 @@ def test_label_skew_recipe_tabulates_curves_and_epochs_over_seeds(tiny_bert_dir,
     row = next(line for line in text.splitlines() if line.startswith("| fedavg |"))
     assert f"{100 * statistics.mean(fedavg):.1f} ± {100 * statistics.stdev(fedavg):.1f}" in row
     assert (tmp_path / "skew.png").exists() and "table:" in capsys.readouterr().out
+    # per run and task: the accuracy the run itself recorded, the classes predicted, the majority share
+    predictions = (tmp_path / "skew_predictions.md").read_text().splitlines()
+    task, scores = next(iter(run["tasks"].items()))
+    row = next(line for line in predictions if line.startswith(f"| rounds | 1 | fedavg | {task} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[4]) == pytest.approx(100 * scores["accuracy"], abs=0.05)
+    predicted, classes = map(int, cells[5].split(" / "))
+    assert 1 <= predicted <= classes == scores["num_labels"] and 0 < float(cells[6]) <= 100
+    assert sum(line.startswith("| epochs | ") for line in predictions) == 2 * len(run["tasks"])
