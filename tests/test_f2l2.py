@@ -11,19 +11,23 @@ import json
 import numpy as np
 import pytest
 import torch
+from datasets import concatenate_datasets
 
 from hf_fedtask.cli import main
+from hf_fedtask.client.objectives import AnchoredRidge
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SHARED, head_name
+from hf_fedtask.core.state import SHARED, gradient_name, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.run import run
+from hf_fedtask.engine.run_folder import open_finished_run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
-from hf_fedtask.model.newton import GaussNewton, conjugate_gradient, largest_eigenvalue
+from hf_fedtask.model.newton import GaussNewton, conjugate_gradient, data_gradient, largest_eigenvalue
+from hf_fedtask.strategies.base import task_model, task_point
 from hf_fedtask.strategies.f2l2 import RemovalOptions
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
 
@@ -261,3 +265,81 @@ def test_matu_refuses_a_linear_probe(tiny_bert_dir, tiny_tasks_dir, tmp_path):
     with pytest.raises(ConfigError, match="shares none"):
         run(config)
     assert not (tmp_path / "m").exists()
+
+
+def test_anchored_ridge_adds_its_gradient_around_a_fixed_anchor():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    anchor = torch.tensor([1.0, 0.0, -1.0])
+    for expected in ([0.0, -1.0, 2.0], [0.5, -0.5, 2.5]):  # the anchor stays put (FedProx's follows each start)
+        ridge = AnchoredRidge(0.5, {"w": anchor})
+        ridge.start({"w": p})
+        p.grad = None
+        ridge.loss(torch.tensor(0.0), None, {}).backward()
+        assert torch.allclose(p.grad, torch.tensor(expected))
+        with torch.no_grad():
+            p.add_(1.0)
+    unanchored = AnchoredRidge(1.0, {})
+    unanchored.start({"v": p})
+    with pytest.raises(KeyError, match="lacks parameter 'v'"):
+        unanchored.loss(torch.tensor(0.0), None, {})
+
+
+def _probe(tiny_bert_dir, tiny_tasks_dir, out, **options) -> RunConfig:
+    return RunConfig(strategy="f2l2", strategy_options={"pretrain_epochs": 1.0, "server_fraction": 0.2, **options},
+                     tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir, peft_method="probe",
+                     base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=4, batch_size=8,
+                     learning_rate=1e-2, max_length=16, min_samples=4, backdoor_client=0, backdoor_trigger=1,
+                     output_dir=str(out))
+
+
+def test_a_ridge_holds_training_near_w0_and_makes_the_removal_the_exact_newton_step(tiny_bert_dir, tiny_tasks_dir,
+                                                                                   tmp_path):
+    """`ridge` ρ: the server sets λ_r = ρ·λ_max(H_s) after pretraining, clients train with (λ_r/2)·‖w − w₀‖²,
+    and `removal_damping: objective` takes the Newton step of that objective: with the retained clients'
+    data as the Hessian (what only a simulation has) and the retained form of the gradient, it lands on
+    the optimum of the objective without the client (its gradient there vanishes), the certified-removal
+    premise, which the ridge makes well posed."""
+    moved = {}
+    for rho in (0.0, 3.0):
+        config = _probe(tiny_bert_dir, tiny_tasks_dir, tmp_path / f"ridge{rho:g}", ridge=rho,
+                        **({"removal_damping": "objective"} if rho else {}))
+        run(config)
+        finished = open_finished_run(config.output_dir)
+        task = finished.env.tasks[0].name
+        w, w0 = task_model(finished.state.vectors, task), task_point(finished.state.vectors, task)
+        moved[rho] = (w - w0).norm()
+    state, env, strategy = finished.state, finished.env, finished.env.strategy
+    lam_r = strategy.ridge_lambda(state)
+    with GaussNewton(env.host, w0, env.server_data(task), env.config.eval_batch_size) as hessian:
+        lambda_max, _ = largest_eigenvalue(hessian, w0, iterations=30, seed=env.config.seed)
+    assert lam_r == pytest.approx(3.0 * lambda_max, rel=1e-4) and lam_r > 0
+    assert moved[3.0] < 0.5 * moved[0.0]  # the clients trained with the ridge around w₀
+
+    retained = [1, 2]
+    data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]), env.task_by_name[task])
+    removal = strategy.remove_client(state, env, 0, RemovalOptions(gradient="retained"), hessian_data=data)
+    assert removal.damping == "objective" and removal.l2 == pytest.approx(lam_r)
+    w_removed = task_model(removal.state.vectors, task)
+
+    def objective_gradient(v):  # ∇F₋(v): the retained data term (n-weighted) plus the ridge's gradient
+        return data_gradient(env.host, v, w0, data)[0] + (v - w0) * lam_r
+
+    before, after = objective_gradient(w), objective_gradient(w_removed)
+    assert after.norm() < 1e-3 * before.norm()
+    # the clients' last-round gradients are the data gradients the server would compute on their data
+    samples = {int(c): n for c, n in state.scalars["gradient_samples"].items()}
+    ours = sum((state.vectors[gradient_name(k)] * (samples[k] / sum(samples[r] for r in retained)) for k in retained),
+               w.zeros_like())
+    assert (ours - data_gradient(env.host, w, w0, data)[0]).norm() < 1e-4 * ours.norm()
+    results = remove_client(tmp_path / "ridge3", 0, output_dir=tmp_path / "removed")["unlearning"]
+    assert results["damping"] == "objective" and results["ridge_lambda"] == pytest.approx(lam_r)
+    assert "exact Newton step" in results["how"]
+
+
+def test_objective_damping_needs_a_regularized_objective():
+    with pytest.raises(ConfigError, match="'objective' needs l2 > 0 or ridge > 0"):
+        RunConfig(**{**BACKDOOR, "strategy_options": {"removal_damping": "objective"}})
+    for options in ({"removal_damping": "objective", "l2": 0.1}, {"removal_damping": "objective", "ridge": 0.01}):
+        assert RunConfig(**{**BACKDOOR, "strategy_options": options}).strategy_options == options
+    with pytest.raises(ConfigError, match="ridge"):
+        RunConfig(**{**BACKDOOR, "strategy_options": {"ridge": -1.0}})

@@ -41,6 +41,30 @@ class ProximalTerm(Objective):
         return model_loss + (self.mu / 2) * prox
 
 
+class AnchoredRidge(Objective):
+    """+ (λ/2)·‖θ − θ₀‖² with a fixed anchor θ₀ by saved name (kernel ridge regression when θ is the
+    weight of a model linearized at θ₀: F²L²'s strongly convex objective). Unlike `ProximalTerm`,
+    whose anchor is where each round's local training starts, θ₀ stays put for the whole run."""
+
+    def __init__(self, lam: float, anchor: Mapping[str, torch.Tensor]):
+        self.lam, self.anchor = lam, dict(anchor)
+        self._placed: dict[str, torch.Tensor] = {}
+
+    def _at(self, key: str, p: torch.Tensor) -> torch.Tensor:
+        a = self._placed.get(key)
+        if a is None or a.device != p.device or a.dtype != p.dtype:
+            a = self._placed[key] = self.anchor[key].to(device=p.device, dtype=p.dtype)
+        return a
+
+    def loss(self, model_loss, outputs, inputs):
+        if self.lam == 0:
+            return model_loss
+        missing = [k for k in self.params if k not in self.anchor]
+        if missing:
+            raise KeyError(f"ridge anchor lacks parameter {missing[0]!r}")
+        return model_loss + (self.lam / 2) * sum(((p - self._at(k, p)) ** 2).sum() for k, p in self.params.items())
+
+
 class LinearCorrection(Objective):
     """+ ⟨c, θ⟩ with a fixed vector c by saved name: its gradient adds c to every step, which is
     SCAFFOLD's correction c − c_i (Karimireddy et al., 2020) when c = c_server − c_client."""

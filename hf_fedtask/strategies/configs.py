@@ -112,10 +112,17 @@ class F2L2Config(StrategyConfig):
                                     "cosine schedule; 0 = w₀ is the initialization)", minimum=0.0)
     pretrain_lr: float = option(1e-3, "learning rate of the server's pretraining", minimum=0.0)
     l2: float = option(0.0, "λ of the training objective's (λ/2)·‖w‖² (the official code trains with 0)", minimum=0.0)
+    ridge: float = option(0.0, "ρ of a ridge (λ_r/2)·‖w − w₀‖² added to the training objective, λ_r = "
+                          "ρ·λ_max(H_s) set by the server after pretraining: the objective becomes λ_r-strongly "
+                          "convex (kernel ridge regression on the linearized model), as the paper's certified "
+                          "removal assumes, so training can reach the optimum the Newton step aims at (0: none)",
+                          minimum=0.0)
     removal_damping: str = option("relative", "how the removal step (H_s + λI)⁻¹·g is damped: relative, λ = "
                                   "removal_rho·λ_max(H_s) (λ_max by Lanczos on the server's slice, so λ follows the "
-                                  "Hessian's scale from one model to another), or absolute, λ = removal_l2",
-                                  choices=("relative", "absolute"))
+                                  "Hessian's scale from one model to another), absolute, λ = removal_l2, or "
+                                  "objective, λ = l2 + λ_r: the trained objective's own Hessian (the exact Newton "
+                                  "step; needs l2 or ridge > 0)",
+                                  choices=("relative", "absolute", "objective"))
     removal_rho: float = option(0.003, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
                                 "accuracy, a larger one lets the backdoor survive (the README's F²L² section)",
                                 minimum=0.0, exclusive_minimum=True)
@@ -128,6 +135,9 @@ class F2L2Config(StrategyConfig):
         if self.server_fraction <= 0:
             raise ConfigError("f2l2: server_fraction must be > 0 (the server pretrains and approximates the "
                               "Hessian on its own data)")
+        if self.removal_damping == "objective" and self.l2 == 0 and self.ridge == 0:
+            raise ConfigError("f2l2: removal_damping 'objective' needs l2 > 0 or ridge > 0 (with neither the "
+                              "objective's Hessian H_s is singular and its Newton step undefined)")
 
 
 @dataclass

@@ -5,19 +5,23 @@ training, then certified removal of a client by one Newton step computed on the 
                      `server_fraction`, cross-entropy, Adam) and keeps w₀ as the linearization point
     rounds 1..R−1    FedAvg (n_k-weighted) of the model linearized at w₀ (whole network:
                      f_lin(x; w) = f(x; w₀) + J(x)·(w − w₀)), trained on the squared error against
-                     one-hot targets plus (λ/2)·‖w‖² (`l2`), from w⁰ = w₀ (`start`)
+                     one-hot targets plus (λ/2)·‖w‖² (`l2`) and, with `ridge` ρ > 0, (λ_r/2)·‖w − w₀‖², λ_r =
+                     ρ·λ_max(H_s) set by the server after pretraining (the objective's strong convexity, which
+                     the paper's guarantee assumes), from w⁰ = w₀ (`start`)
     round R          a query: each client sends g_k = ∇D_k(w*), the gradient of its data term at the
                      final model, and n_k (the paper's last-round upload)
     removal          `remove_client`: w₋ = w* − (H_s + λI)⁻¹·g₋, H_s the Gauss-Newton Hessian of
                      the linearized model on D_s (exact: the loss is quadratic), solved matrix-free by
                      conjugate gradient (`hf_fedtask.model.newton`), with λ = ρ·λ_max(H_s) by default
                      (`removal_damping`): a damping relative to the Hessian's own scale, so one ρ serves
-                     a full MLP, LoRA and a linear probe, whose curvatures differ by orders of magnitude.
+                     a full MLP, LoRA and a linear probe, whose curvatures differ by orders of magnitude;
+                     or λ = l2 + λ_r (`objective`), the exact Newton step of the trained objective.
                      No message to any client.
 
 g₋ = ∇F₋(w*), the gradient of the objective without client m at w*, two ways: `retained`
-Σ_{k≠m} n_k·g_k / n₋ + λ·w*, or `target` −(n_m/n₋)·(g_m + λ·w*), equal to it when w* is a
-stationary point of the full objective (Σ_k n_k·g_k / n + λ·w* = 0). The official code
+Σ_{k≠m} n_k·g_k / n₋ + r(w*), or `target` −(n_m/n₋)·(g_m + r(w*)), r(w) = λ·w + λ_r·(w − w₀) the
+regularizer's gradient, equal to it when w* is a stationary point of the full objective
+(Σ_k n_k·g_k / n + r(w*) = 0). The official code
 (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps the removal
 with λ it leaves out of g₋; `start: random` and a removal λ other than the training one reproduce it.
 One task per run (the removal acts on the shared model and that task's head).
@@ -28,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hf_fedtask.client.objectives import OneHotMSE
+import torch
+
+from hf_fedtask.client.objectives import AnchoredRidge, OneHotMSE
 from hf_fedtask.core.state import GRADIENT, POINT, gradient_name, point_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
@@ -57,7 +63,8 @@ from hf_fedtask.strategies.fedavg import delta_update
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 GRADIENT_QUERY = "data_gradient"
 GRADIENT_FORMS = ("target", "retained")
-RELATIVE, ABSOLUTE = "relative", "absolute"
+RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
+RIDGE = "f2l2_ridge"  # the downlink's λ_r (one number; clients cannot compute it: D_s is the server's)
 EIGEN_ITERATIONS = 30  # Lanczos products for λ_max(H_s): measured, 8-20 reach a relative change of 1e-4
 
 
@@ -93,7 +100,8 @@ class RemovalOptions:
 @dataclass
 class RemovalResult:
     """What `F2L2.remove_client` did: the new state, the damping λ it used (`damping` relative: ρ·λ_max,
-    with λ_max(H_s) and the Lanczos products it took; absolute: λ as given) and how the solve went."""
+    with λ_max(H_s) and the Lanczos products it took; absolute: λ as given; objective: l2 + λ_r) and how
+    the solve went."""
 
     state: GlobalState
     client: int
@@ -176,9 +184,15 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             return None
         return super().linearization_point(state, task)
 
+    @staticmethod
+    def ridge_lambda(state: GlobalState) -> float:
+        """λ_r of the run's training objective (0 without a ridge)."""
+        return float(state.scalars.get("ridge_lambda", 0.0))
+
     # -- the server's own work -----------------------------------------------------------------------
     def server_step(self, state: GlobalState, env) -> GlobalState:
-        """Round 1: pretrain w₀ on D_s and keep it as the linearization point."""
+        """Round 1: pretrain w₀ on D_s and keep it as the linearization point; with a ridge, set
+        λ_r = ρ·λ_max(H_s) at w₀ (Lanczos on the server's slice)."""
         if self.phase(state) != PRETRAIN:
             return state
         from hf_fedtask.client.trainer import LocalTrainer
@@ -196,7 +210,14 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         vectors = as_point(pretrained)
         if c.start == "pretrained":  # w⁰ = w₀; otherwise training starts from the initialization
             vectors.update(pretrained)
-        return GlobalState(state.round, {**state.vectors, **vectors}, {**state.scalars, "phase": LINEAR})
+        scalars = {**state.scalars, "phase": LINEAR}
+        if c.ridge > 0:
+            from hf_fedtask.model.newton import GaussNewton, largest_eigenvalue
+
+            with GaussNewton(env.host, w0, env.server_data(task), env.config.eval_batch_size) as hessian:
+                lambda_max, _ = largest_eigenvalue(hessian, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
+            scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
+        return GlobalState(state.round, {**state.vectors, **vectors}, scalars)
 
     # -- communication -----------------------------------------------------------------------------
     def message_kind(self, state: GlobalState) -> str:
@@ -210,9 +231,11 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         return GRADIENT_QUERY if self.phase(state) == GRADIENTS else ""
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        """w and the linearization point w₀ (clients cannot rebuild w₀: D_s is the server's)."""
+        """w, the linearization point w₀ and, with a ridge, λ_r (clients cannot rebuild either: D_s is
+        the server's)."""
         model = super().downlink(state, client_id, tasks)
-        return {**model, **{point_name(k): state.vectors[point_name(k)] for k in model}}
+        extra = {RIDGE: TaskVector({"lambda": torch.tensor([self.ridge_lambda(state)])})} if self.config.ridge else {}
+        return {**model, **{point_name(k): state.vectors[point_name(k)] for k in model}, **extra}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         if self.phase(state) == GRADIENTS:
@@ -221,10 +244,14 @@ class F2L2(Strategy, Linearized, ClientRemoval):
 
     # -- client ------------------------------------------------------------------------------------
     def client_update(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
-        def options(task: str) -> dict:
-            return {"linearize_at": task_point(downlink, task), "objectives": [OneHotMSE(l2=self.config.l2)]}
+        ridge = float(downlink[RIDGE]["lambda"][0]) if RIDGE in downlink else 0.0
 
-        model = {k: v for k, v in downlink.items() if not k.startswith(POINT)}
+        def options(task: str) -> dict:
+            point = task_point(downlink, task)
+            objectives = [OneHotMSE(l2=self.config.l2)] + ([AnchoredRidge(ridge, point)] if ridge else [])
+            return {"linearize_at": point, "objectives": objectives}
+
+        model = {k: v for k, v in downlink.items() if not k.startswith(POINT) and k != RIDGE}
         return delta_update(model, job, trainer, options=options)
 
     def client_query(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
@@ -270,22 +297,26 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             raise ConfigError("f2l2 removal needs at least one client left after the removal")
         c = self.config
         lam_train, gradient = c.l2, options.gradient
+        ridge = self.ridge_lambda(state)
         if options.l2 is not None or (options.rho is None and c.removal_damping == ABSOLUTE):
             damping, rho = ABSOLUTE, None
             lam = c.removal_l2 if options.l2 is None else options.l2
+        elif options.rho is None and c.removal_damping == OBJECTIVE:
+            damping, rho, lam = OBJECTIVE, None, lam_train + ridge
         else:
             damping, rho = RELATIVE, c.removal_rho if options.rho is None else options.rho
-        w = self._model(state)
+        task = self._task(state)
+        w, w0 = self._model(state), task_point(state.vectors, task)
+        regularizer = w * lam_train + (w - w0) * ridge if ridge else w * lam_train  # r(w*), see the module docstring
         n_m, n_rest = samples[client], sum(samples.values()) - samples[client]
         if gradient == "target":
-            g = (state.vectors[gradient_name(client)] + w * lam_train) * (-n_m / n_rest)
+            g = (state.vectors[gradient_name(client)] + regularizer) * (-n_m / n_rest)
         else:
             g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
-                    w.zeros_like()) + w * lam_train
-        task = self._task(state)
+                    w.zeros_like()) + regularizer
         data = env.server_data(task) if hessian_data is None else hessian_data
         lambda_max, eigen_iterations = None, 0
-        with GaussNewton(env.host, task_point(state.vectors, task), data, env.config.eval_batch_size) as hessian:
+        with GaussNewton(env.host, w0, data, env.config.eval_batch_size) as hessian:
             if damping == RELATIVE:
                 lambda_max, eigen = largest_eigenvalue(hessian, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations

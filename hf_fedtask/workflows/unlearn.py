@@ -202,9 +202,13 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         details = {"l2": removal.l2, "damping": removal.damping, "rho": removal.rho,
                    "lambda_max": removal.lambda_max, "eigen_iterations": removal.eigen_iterations,
                    "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
-                   "relative_residual": removal.relative_residual, "step_norm": removal.step_norm}
-        scale = (f" = ρ·λ_max(H_s) = {removal.rho:g} × {removal.lambda_max:.4g}" if removal.damping == "relative"
-                 else " (absolute)")
+                   "relative_residual": removal.relative_residual, "step_norm": removal.step_norm,
+                   "ridge_lambda": strategy.ridge_lambda(state)}
+        if removal.damping == "relative":
+            scale = f" = ρ·λ_max(H_s) = {removal.rho:g} × {removal.lambda_max:.4g}"
+        else:
+            scale = (" = l2 + λ_r, the trained objective's own (the exact Newton step)"
+                     if removal.damping == "objective" else " (absolute)")
         how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:.4g}{scale} and the "
                f"{removal.gradient} form of g, solved by conjugate gradient ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
