@@ -76,9 +76,13 @@ RHOS = (0.001, 0.01, 0.03, 0.1)  # besides the default ρ: the sweep the default
 L2S = (10.0,)  # absolute λ: the former default
 
 
-def removals(default_rho: float, rhos, l2s) -> dict[str, dict]:
-    """The removals of the table, by row name -> `remove_client` keywords."""
-    rows = {f"f2l2 (default, ρ={default_rho:g})": {}}
+def removals(strategy_config, rhos, l2s) -> dict[str, dict]:
+    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping)."""
+    damping = strategy_config.removal_damping
+    default_rho = strategy_config.removal_rho if damping == "relative" else None
+    own = {"relative": f"ρ={default_rho:g}", "absolute": f"λ={strategy_config.removal_l2:g} absolute",
+           "objective": "the objective's λ"}[damping]
+    rows = {f"f2l2 (default, {own})": {}}
     rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho} for rho in rhos if rho != default_rho})
     rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2} for l2 in l2s})
     rows["f2l2 retained (default damping)"] = {"gradient": "retained"}
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
         # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
         # each round's evaluation is included, as it is in one round's time above)
         retrain_s = sum(r["seconds"] for r in retrained.history if r.get("kind", "train") == "train")
-        for name, options in removals(env.strategy.config.removal_rho, args.rhos, args.l2s).items():
+        for name, options in removals(env.strategy.config, args.rhos, args.l2s).items():
             folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
             results = remove_client(out / "trained", target, output_dir=folder, overwrite=True, **options)
             u = results["unlearning"]
@@ -186,10 +190,13 @@ def main(argv=None) -> int:
     lambda_max = next((f"{r['lambda_max']:.4g}" for r in rows.values() if r.get("lambda_max")), "not computed")
     trigger = (f"{base.backdoor_trigger}×{base.backdoor_trigger} white square" if env.host.inputs.modality == "image"
                else f"{base.backdoor_trigger} trigger word(s) 'cf'")
+    lam_r = env.strategy.ridge_lambda(trained.state)
+    ridge = (f"; trained with the ridge (λ_r/2)·‖w − w₀‖², λ_r = {env.strategy.config.ridge:g}·λ_max(H_s at w₀) = "
+             f"{lam_r:.4g}" if lam_r else "")
     lines = [f"**{task}, {base.num_clients} IID clients (client {target} backdoored: {trigger}, label "
              f"{base.backdoor_target}), {base.base_model} ({base.peft_method}) linearized at the server's pretrained "
              f"w₀, {base.rounds - 1} training rounds + the gradient round; one training round {round_s:.2f} s, "
-             f"retraining's training rounds {retrain_s:.1f} s; λ_max(H_s) = {lambda_max}**", "",
+             f"retraining's training rounds {retrain_s:.1f} s; λ_max(H_s) = {lambda_max}{ridge}**", "",
              "| model | TA % | BSR % (test) | BSR % (client's poisoned set) | ΔTA to retrain | ΔBSR to retrain "
              "| ‖w − w_retrain‖ | λ | removal time / round | removal time / retraining | client messages |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
