@@ -24,6 +24,21 @@ class Objective:
         return model_loss
 
 
+class _Placed(dict):
+    """Fixed tensors by saved name (CPU tensors from the server), each moved to a parameter's device and
+    dtype once, on first use."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        super().__init__(tensors)
+        self._moved: dict[str, torch.Tensor] = {}
+
+    def like(self, key: str, p: torch.Tensor) -> torch.Tensor:
+        t = self._moved.get(key)
+        if t is None or t.device != p.device or t.dtype != p.dtype:
+            t = self._moved[key] = self[key].to(device=p.device, dtype=p.dtype)
+        return t
+
+
 class ProximalTerm(Objective):
     """FedProx (Li et al., 2020): + (μ/2)·‖θ − θ_start‖² over the trainable parameters."""
 
@@ -47,14 +62,7 @@ class AnchoredRidge(Objective):
     whose anchor is where each round's local training starts, θ₀ stays put for the whole run."""
 
     def __init__(self, lam: float, anchor: Mapping[str, torch.Tensor]):
-        self.lam, self.anchor = lam, dict(anchor)
-        self._placed: dict[str, torch.Tensor] = {}
-
-    def _at(self, key: str, p: torch.Tensor) -> torch.Tensor:
-        a = self._placed.get(key)
-        if a is None or a.device != p.device or a.dtype != p.dtype:
-            a = self._placed[key] = self.anchor[key].to(device=p.device, dtype=p.dtype)
-        return a
+        self.lam, self.anchor = lam, _Placed(anchor)
 
     def loss(self, model_loss, outputs, inputs):
         if self.lam == 0:
@@ -62,7 +70,8 @@ class AnchoredRidge(Objective):
         missing = [k for k in self.params if k not in self.anchor]
         if missing:
             raise KeyError(f"ridge anchor lacks parameter {missing[0]!r}")
-        return model_loss + (self.lam / 2) * sum(((p - self._at(k, p)) ** 2).sum() for k, p in self.params.items())
+        ridge = sum(((p - self.anchor.like(k, p)) ** 2).sum() for k, p in self.params.items())
+        return model_loss + (self.lam / 2) * ridge
 
 
 class LinearCorrection(Objective):
@@ -70,21 +79,14 @@ class LinearCorrection(Objective):
     SCAFFOLD's correction c − c_i (Karimireddy et al., 2020) when c = c_server − c_client."""
 
     def __init__(self, correction: Mapping[str, torch.Tensor]):
-        self.correction = dict(correction)
-        self._placed: dict[str, torch.Tensor] = {}
-
-    def _like(self, key: str, p: torch.Tensor) -> torch.Tensor:
-        """c[key] (a CPU tensor from the server) on `p`'s device and in its dtype, moved once."""
-        c = self._placed.get(key)
-        if c is None or c.device != p.device or c.dtype != p.dtype:
-            c = self._placed[key] = self.correction[key].to(device=p.device, dtype=p.dtype)
-        return c
+        self.correction = _Placed(correction)
 
     def loss(self, model_loss, outputs, inputs):
         missing = [k for k in self.correction if k not in self.params]
         if missing:
             raise KeyError(f"correction for unknown parameter {missing[0]!r}")
-        return model_loss + sum((self._like(k, p) * p).sum() for k, p in self.params.items() if k in self.correction)
+        return model_loss + sum((self.correction.like(k, p) * p).sum() for k, p in self.params.items()
+                                if k in self.correction)
 
 
 class OneHotMSE(Objective):
