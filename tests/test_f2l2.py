@@ -343,3 +343,28 @@ def test_objective_damping_needs_a_regularized_objective():
         assert RunConfig(**{**BACKDOOR, "strategy_options": options}).strategy_options == options
     with pytest.raises(ConfigError, match="ridge"):
         RunConfig(**{**BACKDOOR, "strategy_options": {"ridge": -1.0}})
+
+
+def test_a_hessian_holdout_keeps_part_of_the_server_slice_out_of_pretraining(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    """`hessian_holdout` h: a seeded share h of D_s is kept out of w₀'s pretraining, and the removal's
+    Hessian is taken on it (a Hessian on the inputs w₀ was fit to missed 95% of MiniLM + LoRA's λ_max)."""
+    config = _probe(tiny_bert_dir, tiny_tasks_dir, tmp_path / "holdout", hessian_holdout=0.5)
+    run(config)
+    finished = open_finished_run(config.output_dir)
+    env, strategy, state = finished.env, finished.env.strategy, finished.state
+    task = env.tasks[0].name
+    server = env.server_data(task)
+    pretrain, held = strategy.server_split(env, task)
+    assert len(held) == round(0.5 * len(server)) and len(pretrain) + len(held) == len(server)
+
+    def rows(data):
+        return [str(r) for r in zip(list(data["input_ids"]), list(data["labels"]))]
+
+    assert sorted(rows(pretrain) + rows(held)) == sorted(rows(server))
+    assert rows(strategy.server_split(env, task)[1]) == rows(held)  # seeded: the same split each time
+    default = strategy.remove_client(state, env, 0)
+    on_held = strategy.remove_client(state, env, 0, hessian_data=held)
+    on_all = strategy.remove_client(state, env, 0, hessian_data=server)
+    assert default.lambda_max == on_held.lambda_max != on_all.lambda_max
+    whole = _probe(tiny_bert_dir, tiny_tasks_dir, tmp_path / "x").strategy_options
+    assert "hessian_holdout" not in whole  # 0 by default: D_s for both

@@ -108,6 +108,9 @@ class F2L2Config(StrategyConfig):
     server_fraction: float = option(0.1, "share of each task's training split the server keeps (D_s): it pretrains "
                                     "w₀ and approximates the removal Hessian on it; never sent", minimum=0.0,
                                     maximum=0.9)
+    hessian_holdout: float = option(0.0, "share of the server's slice D_s kept out of pretraining w₀ and used for "
+                                    "the removal's Hessian H_s (and λ_max): a Hessian on the very inputs w₀ was fit "
+                                    "to can miss most of the curvature (0: D_s for both)", minimum=0.0, maximum=0.9)
     pretrain_epochs: float = option(20.0, "epochs of the server's pretraining of w₀ on D_s (cross-entropy, Adam, "
                                     "cosine schedule; 0 = w₀ is the initialization)", minimum=0.0)
     pretrain_lr: float = option(1e-3, "learning rate of the server's pretraining", minimum=0.0)

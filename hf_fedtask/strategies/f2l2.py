@@ -2,7 +2,8 @@
 training, then certified removal of a client by one Newton step computed on the server alone.
 
     round 1 starts   the server pretrains w₀ on its own slice D_s of the training data (never sent;
-                     `server_fraction`, cross-entropy, Adam) and keeps w₀ as the linearization point
+                     `server_fraction`, cross-entropy, Adam; less a `hessian_holdout` share kept for H_s)
+                     and keeps w₀ as the linearization point
     rounds 1..R−1    FedAvg (n_k-weighted) of the model linearized at w₀ (whole network:
                      f_lin(x; w) = f(x; w₀) + J(x)·(w − w₀)), trained on the squared error against
                      one-hot targets plus (λ/2)·‖w‖² (`l2`) and, with `ridge` ρ > 0, (λ_r/2)·‖w − w₀‖², λ_r =
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_fedtask.client.objectives import AnchoredRidge, OneHotMSE
@@ -184,6 +186,17 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             return None
         return super().linearization_point(state, task)
 
+    def server_split(self, env, task: str):
+        """(the part of D_s the server pretrains w₀ on, the part its Hessian H_s is taken on): with
+        `hessian_holdout` h > 0, a seeded share h of D_s is kept out of pretraining for H_s; with 0, D_s
+        for both."""
+        data = env.server_data(task)
+        held = round(self.config.hessian_holdout * len(data))
+        if held == 0 or held == len(data):
+            return data, data
+        order = np.random.default_rng(env.config.seed).permutation(len(data))
+        return data.select(sorted(order[held:])), data.select(sorted(order[:held]))
+
     @staticmethod
     def ridge_lambda(state: GlobalState) -> float:
         """λ_r of the run's training objective (0 without a ridge)."""
@@ -204,7 +217,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             args = dataclasses.replace(env.trainer.args, local_epochs=c.pretrain_epochs, local_steps=-1,
                                        learning_rate=c.pretrain_lr, optimizer="adamw_torch", lr_scheduler="cosine",
                                        warmup_steps=0, weight_decay=0.0)
-            w0, _ = LocalTrainer(env.host, args).train(w0, env.server_data(task), seed=env.config.seed)
+            w0, _ = LocalTrainer(env.host, args).train(w0, self.server_split(env, task)[0], seed=env.config.seed)
         shared = state.vectors[SHARED]
         pretrained = {SHARED: w0.filter(lambda k: k in shared), head_name(task): w0.filter(lambda k: k not in shared)}
         vectors = as_point(pretrained)
@@ -214,7 +227,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         if c.ridge > 0:
             from hf_fedtask.model.newton import GaussNewton, largest_eigenvalue
 
-            with GaussNewton(env.host, w0, env.server_data(task), env.config.eval_batch_size) as hessian:
+            with GaussNewton(env.host, w0, self.server_split(env, task)[1], env.config.eval_batch_size) as hessian:
                 lambda_max, _ = largest_eigenvalue(hessian, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
             scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
         return GlobalState(state.round, {**state.vectors, **vectors}, scalars)
@@ -314,7 +327,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         else:
             g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
                     w.zeros_like()) + regularizer
-        data = env.server_data(task) if hessian_data is None else hessian_data
+        data = self.server_split(env, task)[1] if hessian_data is None else hessian_data
         lambda_max, eigen_iterations = None, 0
         with GaussNewton(env.host, w0, data, env.config.eval_batch_size) as hessian:
             if damping == RELATIVE:
