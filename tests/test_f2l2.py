@@ -179,6 +179,21 @@ def test_the_retained_gradient_form_and_sga_are_there_to_compare(backdoored):
     assert absolute["damping"] == "absolute" and absolute["l2"] == 10.0 and absolute["lambda_max"] is None
 
 
+def test_the_difference_form_lies_between_the_target_and_the_retained_forms(backdoored):
+    """g_difference = ∇F₋(w*) − ∇F(w*) = (n_m/n)·g_retained + (n₋/n)·g_target, so under one damping its step
+    is the same mix of theirs (the solve is linear in g)."""
+    root = backdoored[0]
+    finished = open_finished_run(root / "trained")
+    state, env, strategy = finished.state, finished.env, finished.env.strategy
+    samples = {int(c): n for c, n in state.scalars["gradient_samples"].items()}
+    share = samples[0] / sum(samples.values())
+    options = dict(rho=0.01, tolerance=1e-9, iterations=500)
+    w = {form: task_model(strategy.remove_client(state, env, 0, RemovalOptions(gradient=form, **options)).state.vectors,
+                          "digits") for form in ("target", "retained", "difference")}
+    mix = w["retained"] * share + w["target"] * (1 - share)
+    assert (w["difference"] - mix).norm() < 1e-3 * (w["retained"] - w["target"]).norm()
+
+
 def test_f2l2_refusals(tmp_path, backdoored):
     with pytest.raises(ConfigError, match="one task per run"):
         run(RunConfig(**{**BACKDOOR, "tasks": ["digits", "digits"]}, output_dir=str(tmp_path / "a")))

@@ -22,7 +22,9 @@ training, then certified removal of a client by one Newton step computed on the 
 g₋ = ∇F₋(w*), the gradient of the objective without client m at w*, two ways: `retained`
 Σ_{k≠m} n_k·g_k / n₋ + r(w*), or `target` −(n_m/n₋)·(g_m + r(w*)), r(w) = λ·w + λ_r·(w − w₀) the
 regularizer's gradient, equal to it when w* is a stationary point of the full objective
-(Σ_k n_k·g_k / n + r(w*) = 0). The official code
+(Σ_k n_k·g_k / n + r(w*) = 0); or `difference` ∇F₋(w*) − ∇F(w*) = (n_m/n)·(ḡ₋ − g_m), ḡ₋ the retained
+clients' mean: the client's share of the gradient alone, for a run that stops as far from its optimum as
+retraining for the same rounds would (the gradient both leave behind cancels). The official code
 (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps the removal
 with λ it leaves out of g₋; `start: random` and a removal λ other than the training one reproduce it.
 One task per run (the removal acts on the shared model and that task's head).
@@ -64,7 +66,7 @@ from hf_fedtask.strategies.fedavg import delta_update
 
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 GRADIENT_QUERY = "data_gradient"
-GRADIENT_FORMS = ("target", "retained")
+GRADIENT_FORMS = ("target", "retained", "difference")
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 RIDGE = "f2l2_ridge"  # the downlink's λ_r (one number; clients cannot compute it: D_s is the server's)
 EIGEN_ITERATIONS = 30  # Lanczos products for λ_max(H_s): measured, 8-20 reach a relative change of 1e-4
@@ -324,6 +326,10 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         n_m, n_rest = samples[client], sum(samples.values()) - samples[client]
         if gradient == "target":
             g = (state.vectors[gradient_name(client)] + regularizer) * (-n_m / n_rest)
+        elif gradient == "difference":
+            retained = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
+                           w.zeros_like())
+            g = (retained - state.vectors[gradient_name(client)]) * (n_m / (n_rest + n_m))
         else:
             g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
                     w.zeros_like()) + regularizer
