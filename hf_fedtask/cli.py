@@ -352,12 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "F²L² runs), sga (gradient ascent on the client's data, the baseline)")
     p.add_argument("--rho", type=float, default=None,
                    help="f2l2: damp the removal step with λ = ρ·λ_max(H_s), the server Hessian's largest eigenvalue "
-                        "(default: the run's removal_damping, relative with removal_rho 0.003)")
+                        "(default: the run's removal_damping, relative with removal_rho 0.002)")
     p.add_argument("--l2", type=float, default=None,
                    help="f2l2: damp the removal step with this absolute λ instead (not with --rho)")
-    p.add_argument("--gradient", choices=("target", "retained", "difference"), default=None,
-                   help="f2l2: g from the removed client's gradient (default), from the retained clients', or "
-                        "their difference (the client's share alone)")
+    p.add_argument("--gradient", choices=("difference", "target", "retained"), default=None,
+                   help="f2l2: g as the client's share of the gradient (default), from the removed client's "
+                        "gradient alone (the paper's), or from the retained clients'")
     p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")
     p.add_argument("--cg-tolerance", type=float, default=None, help="f2l2: stop at this relative residual (1e-6)")
     p.add_argument("--sga-epochs", type=float, default=None, help="sga: epochs of ascent (1)")

@@ -87,8 +87,7 @@ def removals(strategy_config, rhos, l2s) -> dict[str, dict]:
     rows = {f"f2l2 (default, {own})": {}}
     rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho} for rho in rhos if rho != default_rho})
     rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2} for l2 in l2s})
-    rows["f2l2 retained (default damping)"] = {"gradient": "retained"}
-    rows["f2l2 difference (default damping)"] = {"gradient": "difference"}
+    rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("target", "retained")})
     rows["SGA"] = {"method": "sga", "sga_lr": 1e-2}
     return rows
 

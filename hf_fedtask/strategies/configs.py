@@ -126,7 +126,7 @@ class F2L2Config(StrategyConfig):
                                   "objective, λ = l2 + λ_r: the trained objective's own Hessian (the exact Newton "
                                   "step; needs l2 or ridge > 0)",
                                   choices=("relative", "absolute", "objective"))
-    removal_rho: float = option(0.003, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
+    removal_rho: float = option(0.002, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
                                 "accuracy, a larger one lets the backdoor survive (the README's F²L² section)",
                                 minimum=0.0, exclusive_minimum=True)
     removal_l2: float = option(10.0, "λ of the removal step under removal_damping absolute; equal to l2 > 0 it is "
