@@ -12,21 +12,23 @@ training, then certified removal of a client by one Newton step computed on the 
     round R          a query: each client sends g_k = ∇D_k(w*), the gradient of its data term at the
                      final model, and n_k (the paper's last-round upload)
     removal          `remove_client`: w₋ = w* − (H_s + λI)⁻¹·g₋, H_s the Gauss-Newton Hessian of
-                     the linearized model on D_s (exact: the loss is quadratic), solved matrix-free by
+                     the linearized model on D_s (or its `hessian_holdout` share; exact: the loss is
+                     quadratic), solved matrix-free by
                      conjugate gradient (`hf_fedtask.model.newton`), with λ = ρ·λ_max(H_s) by default
                      (`removal_damping`): a damping relative to the Hessian's own scale, so one ρ serves
                      a full MLP, LoRA and a linear probe, whose curvatures differ by orders of magnitude;
                      or λ = l2 + λ_r (`objective`), the exact Newton step of the trained objective.
                      No message to any client.
 
-g₋ = ∇F₋(w*), the gradient of the objective without client m at w*, two ways: `retained`
-Σ_{k≠m} n_k·g_k / n₋ + r(w*), or `target` −(n_m/n₋)·(g_m + r(w*)), r(w) = λ·w + λ_r·(w − w₀) the
-regularizer's gradient, equal to it when w* is a stationary point of the full objective
-(Σ_k n_k·g_k / n + r(w*) = 0); or `difference` ∇F₋(w*) − ∇F(w*) = (n_m/n)·(ḡ₋ − g_m), ḡ₋ the retained
-clients' mean: the client's share of the gradient alone, for a run that stops as far from its optimum as
-retraining for the same rounds would (the gradient both leave behind cancels). The official code
-(Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps the removal
-with λ it leaves out of g₋; `start: random` and a removal λ other than the training one reproduce it.
+g₋ stands for ∇F₋(w*), the gradient of the objective without client m at w*, in three forms (r(w) =
+λ·w + λ_r·(w − w₀) the regularizer's gradient, ḡ₋ the retained clients' n-weighted mean gradient):
+`retained` ḡ₋ + r(w*), exact; `target` −(n_m/n₋)·(g_m + r(w*)), the paper's, equal to it when w* is a
+stationary point of the full objective (Σ_k n_k·g_k / n + r(w*) = 0); `difference` (the default)
+∇F₋(w*) − ∇F(w*) = (n_m/n)·(ḡ₋ − g_m), the client's share of the gradient alone, for a run that stops as
+far from its optimum as retraining for the same rounds would (the gradient both leave behind cancels).
+The official code (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps
+the removal with λ it leaves out of g₋; `start: random`, `--gradient target` and a removal λ other than
+the training one reproduce it.
 One task per run (the removal acts on the shared model and that task's head).
 """
 
