@@ -327,15 +327,15 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         w, w0 = self._model(state), task_point(state.vectors, task)
         regularizer = w * lam_train + (w - w0) * ridge if ridge else w * lam_train  # r(w*), see the module docstring
         n_m, n_rest = samples[client], sum(samples.values()) - samples[client]
+        g_m = state.vectors[gradient_name(client)]
+        retained = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
+                       w.zeros_like())  # ḡ₋
         if gradient == "target":
-            g = (state.vectors[gradient_name(client)] + regularizer) * (-n_m / n_rest)
+            g = (g_m + regularizer) * (-n_m / n_rest)
         elif gradient == "difference":
-            retained = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
-                           w.zeros_like())
-            g = (retained - state.vectors[gradient_name(client)]) * (n_m / (n_rest + n_m))
+            g = (retained - g_m) * (n_m / (n_rest + n_m))
         else:
-            g = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
-                    w.zeros_like()) + regularizer
+            g = retained + regularizer
         data = self.server_split(env, task)[1] if hessian_data is None else hessian_data
         lambda_max, eigen_iterations = None, 0
         with GaussNewton(env.host, w0, data, env.config.eval_batch_size) as hessian:
