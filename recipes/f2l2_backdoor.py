@@ -78,12 +78,10 @@ L2S = (10.0,)  # absolute λ: the former default
 
 def removals(strategy_config, rhos, l2s) -> dict[str, dict]:
     """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping)."""
-    damping = strategy_config.removal_damping
-    default_rho = strategy_config.removal_rho if damping == "relative" else None
-    if damping == "relative":
-        own = f"ρ={default_rho:g}"
-    else:
-        own = f"λ={strategy_config.removal_l2:g} absolute" if damping == "absolute" else "the objective's λ"
+    c = strategy_config
+    default_rho = c.removal_rho if c.removal_damping == "relative" else None
+    own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
+           "objective": "the objective's λ"}[c.removal_damping]
     rows = {f"f2l2 (default, {own})": {}}
     rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho} for rho in rhos if rho != default_rho})
     rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2} for l2 in l2s})
