@@ -97,6 +97,9 @@ class RunConfig:
     classes_per_client: int = option(2, "labels each holder gets under --partition classes", minimum=1)
     min_samples: int = option(8, "training samples every (client, task) pair must get, else the partition fails",
                               minimum=0)
+    builtin_train_size: int | None = option(None, "training rows of each builtin task, drawn from its pool "
+                                            "(default 400; the test rows stay the same; builtin tasks only)",
+                                            minimum=2)
     max_train_samples: int | None = option(None, "cap each task's train split at a seeded subset (quick runs; "
                                            "default: all)", minimum=1)
     max_test_samples: int | None = option(None, "evaluate on a seeded subset of each task's test split (default: all)",

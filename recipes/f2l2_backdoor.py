@@ -76,8 +76,9 @@ RHOS = (0.001, 0.003, 0.01, 0.03, 0.1)  # besides the default ρ, the sweep it w
 L2S = (10.0,)  # absolute λ: the former default
 
 
-def removals(strategy_config, rhos, l2s) -> dict[str, dict]:
-    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping)."""
+def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
+    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping);
+    `forms`: gradient forms besides the default swept over `rhos` too."""
     c = strategy_config
     default_rho = c.removal_rho if c.removal_damping == "relative" else None
     own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
@@ -86,6 +87,8 @@ def removals(strategy_config, rhos, l2s) -> dict[str, dict]:
     rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho} for rho in rhos if rho != default_rho})
     rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2} for l2 in l2s})
     rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("target", "retained")})
+    rows.update({f"f2l2 {form} (ρ={rho:g})": {"gradient": form, "rho": rho}
+                 for form in forms for rho in rhos if rho != default_rho})
     rows["SGA"] = {"method": "sga", "sga_lr": 1e-2}
     return rows
 
@@ -132,6 +135,8 @@ def main(argv=None) -> int:
                         help="F²L² removals with λ = ρ·λ_max(H_s) for these ρ besides the run's default")
     parser.add_argument("--l2s", type=float, nargs="*", default=list(L2S),
                         help="F²L² removals with these absolute λ (the former default: 10)")
+    parser.add_argument("--forms", nargs="*", choices=["target", "retained"], default=[],
+                        help="gradient forms to sweep over --rhos as well (the default form always is)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
         # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
         # each round's evaluation is included, as it is in one round's time above)
         retrain_s = sum(r["seconds"] for r in retrained.history if r.get("kind", "train") == "train")
-        for name, options in removals(env.strategy.config, args.rhos, args.l2s).items():
+        for name, options in removals(env.strategy.config, args.rhos, args.l2s, args.forms).items():
             folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
             results = remove_client(out / "trained", target, output_dir=folder, overwrite=True, **options)
             u = results["unlearning"]

@@ -110,6 +110,51 @@ def test_cache_is_reused_without_building(suite, cache_dir, monkeypatch):
     assert sorted(p.name for p in seed_dir.iterdir()) == sorted(SUITES["builtin-30"])  # no temp leftovers
 
 
+def test_a_larger_train_size_draws_more_of_the_pool_and_keeps_the_test_rows(suite, tmp_path):
+    """`train_size` extends the default training rows with more of the pool (equal per cell), caches apart
+    from the default, and leaves the test split as it is, rows and order, so sizes compare on one test set."""
+    default = next(t for t in suite if t.name == "vader_polarity")
+    large = load_builtin_task("vader_polarity", train_size=3200, cache_dir=tmp_path)
+    assert len(large.dataset["train"]) == 3200 == large.extra["train_size"]
+    assert default.extra["train_size"] == builtin.TRAIN_SIZE
+    assert rows(large, "test") == rows(default, "test")
+    assert set(rows(default, "train")) < set(rows(large, "train"))
+    assert Counter(large.dataset["train"]["label"]) == {0: 1600, 1: 1600}
+    assert not {text_key(t) for t in large.dataset["train"]["text"]} & {text_key(t) for t in large.dataset["test"]["text"]}
+    assert (tmp_path / "suites" / SUITE_VERSION / "seed0" / "vader_polarity-train3200").is_dir()
+    assert not (tmp_path / "suites" / SUITE_VERSION / "seed0" / "vader_polarity").exists()
+    short = load_builtin_task("city_ru_ua", train_size=100_000, cache_dir=tmp_path)  # the pool runs out first
+    assert 400 < short.extra["train_size"] < 100_000
+
+
+@pytest.mark.parametrize("size", [1, 0, "400", True, 2.5])
+def test_a_bad_train_size_is_one_line_error(size, tmp_path):
+    with pytest.raises(DataError, match="train_size must be an integer >= 2"):
+        load_builtin_task("vader_polarity", train_size=size, cache_dir=tmp_path)
+    assert not (tmp_path / "suites").exists()
+
+
+def test_builtin_train_size_is_refused_for_other_tasks(tmp_path):
+    from hf_fedtask.data import load_task
+
+    with pytest.raises(DataError, match="fashion_mnist: builtin_train_size 1000 applies to builtin tasks only"):
+        load_task("fashion_mnist", builtin_train_size=1000, cache_dir=tmp_path)
+
+
+def test_a_run_config_sets_the_builtin_train_size(monkeypatch, tmp_path):
+    from hf_fedtask.config import RunConfig
+    from hf_fedtask.engine.environment import load_tasks
+    from hf_fedtask.errors import ConfigError
+
+    monkeypatch.setenv("HF_FEDTASK_CACHE", str(tmp_path))
+    (task,) = load_tasks(RunConfig(tasks=["kaomoji_valence"], builtin_train_size=1000))
+    assert len(task.dataset["train"]) == 1000
+    (suite_task, *_) = load_tasks(RunConfig(suite="builtin-8", builtin_train_size=600))
+    assert len(suite_task.dataset["train"]) == 600
+    with pytest.raises(ConfigError, match="builtin_train_size"):
+        RunConfig.from_dict({"tasks": ["kaomoji_valence"], "builtin_train_size": 1})
+
+
 def test_cache_root_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_FEDTASK_CACHE", str(tmp_path))
     assert builtin.task_cache_dir("x", 3) == tmp_path / "suites" / SUITE_VERSION / "seed3" / "x"

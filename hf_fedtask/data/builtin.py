@@ -31,17 +31,20 @@ from hf_fedtask.errors import DataError
 
 SUITE_VERSION = "builtin-v1"  # bump when any pool, size or sampling rule changes: it names the cache folder
 TEST_SIZE = 200  # per task, split equally over the cells (floor); fewer only if a cell runs short
-TRAIN_SIZE = 400
+TRAIN_SIZE = 400  # per task by default; `train_size` asks for more of a pool (its cache folder says so)
 
 
 def _rng(seed: int, pool: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(pool.encode())])
 
 
-def sample_cells(cells: Cells, rng: np.random.Generator) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+def sample_cells(cells: Cells, rng: np.random.Generator,
+                 train_size: int = TRAIN_SIZE) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
     """Equal-count, deduplicated train/test rows (text, cell). Texts whose folded key occurs in two
     cells are dropped as ambiguous; within a cell the first of equal keys (sorted) is kept. Per cell:
-    test = TEST_SIZE // C and train = TRAIN_SIZE // C, shrunk equally when the smallest cell is short."""
+    test = TEST_SIZE // C and train = train_size // C, shrunk equally when the smallest cell is short.
+    The test rows do not depend on `train_size` (they are drawn first from the same permutation), so
+    runs at different training sizes evaluate on the same texts."""
     keys = {t: text_key(t) for texts in cells.values() for t in texts}
     owners: dict[str, set] = defaultdict(set)
     for cell, texts in cells.items():
@@ -60,14 +63,19 @@ def sample_cells(cells: Cells, rng: np.random.Generator) -> dict[str, list[tuple
     n = min(len(v) for v in clean.values())
     c = len(clean)
     n_test = min(TEST_SIZE // c, n // 3)
-    n_train = min(TRAIN_SIZE // c, n - n_test)
+    n_train = min(train_size // c, n - n_test)
     splits: dict[str, list] = {"train": [], "test": []}
     for cell, texts in clean.items():
         chosen = [texts[i] for i in rng.permutation(len(texts))[: n_test + n_train]]
         splits["test"] += [(t, cell) for t in chosen[:n_test]]
         splits["train"] += [(t, cell) for t in chosen[n_test:]]
-    for rows in splits.values():
-        order = rng.permutation(len(rows))
+    # the test rows' order as the default size gives it, whatever train_size is: a generator in the same
+    # state steps over the default training shuffle first (with TRAIN_SIZE it is the same draw)
+    test_rng = np.random.default_rng()
+    test_rng.bit_generator.state = rng.bit_generator.state
+    test_rng.permutation(min(TRAIN_SIZE // c, n - n_test) * c)
+    for rows, shuffle in ((splits["train"], rng), (splits["test"], test_rng)):
+        order = shuffle.permutation(len(rows))
         rows[:] = [rows[i] for i in order]
     return splits
 
@@ -76,12 +84,13 @@ def _package_versions(spec: BuiltinTask) -> dict[str, str]:
     return {s.package: importlib.metadata.version(s.package) for s in spec.sources}
 
 
-def build_task_dataset(spec: BuiltinTask, seed: int, memo: dict | None = None) -> DatasetDict:
-    """Build one task's DatasetDict from its pool (no cache). The sample depends only on (pool, seed),
-    so the tasks of a conflict group get identical rows; `memo` saves re-sampling a shared pool."""
-    key = (spec.pool, seed)
+def build_task_dataset(spec: BuiltinTask, seed: int, memo: dict | None = None,
+                       train_size: int = TRAIN_SIZE) -> DatasetDict:
+    """Build one task's DatasetDict from its pool (no cache). The sample depends only on (pool, seed,
+    train_size), so the tasks of a conflict group get identical rows; `memo` saves re-sampling a shared pool."""
+    key = (spec.pool, seed, train_size)
     if memo is None or key not in memo:
-        rows = sample_cells(POOLS[spec.pool](), _rng(seed, spec.pool))
+        rows = sample_cells(POOLS[spec.pool](), _rng(seed, spec.pool), train_size)
         if memo is not None:
             memo[key] = rows
     else:
@@ -115,14 +124,25 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(os.environ.get("HF_FEDTASK_CACHE") or Path.home() / ".cache" / "hf_fedtask")
 
 
-def task_cache_dir(name: str, seed: int, cache_dir=None) -> Path:
-    return cache_root(cache_dir) / "suites" / SUITE_VERSION / f"seed{seed}" / name
+def task_cache_dir(name: str, seed: int, cache_dir=None, train_size: int = TRAIN_SIZE) -> Path:
+    folder = name if train_size == TRAIN_SIZE else f"{name}-train{train_size}"
+    return cache_root(cache_dir) / "suites" / SUITE_VERSION / f"seed{seed}" / folder
 
 
-def _load_or_build(spec: BuiltinTask, seed: int, cache_dir, memo: dict) -> DatasetDict:
+def check_train_size(train_size: int | None) -> int:
+    """`train_size`, or TRAIN_SIZE for None; a one-line error for anything but an integer >= 2."""
+    if train_size is None:
+        return TRAIN_SIZE
+    if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 2:
+        raise DataError(f"builtin train_size must be an integer >= 2 (rows of a task's training split), "
+                        f"got {train_size!r}")
+    return train_size
+
+
+def _load_or_build(spec: BuiltinTask, seed: int, cache_dir, memo: dict, train_size: int) -> DatasetDict:
     """Load the cached Arrow copy, or build it once (`built_once`: atomic, a concurrent builder's copy wins)."""
-    path = built_once(task_cache_dir(spec.name, seed, cache_dir),
-                      lambda tmp: save_quietly(build_task_dataset(spec, seed, memo), tmp))
+    path = built_once(task_cache_dir(spec.name, seed, cache_dir, train_size),
+                      lambda tmp: save_quietly(build_task_dataset(spec, seed, memo, train_size), tmp))
     return load_from_disk(str(path))
 
 
@@ -137,6 +157,7 @@ def _to_task(spec: BuiltinTask, dataset: DatasetDict, seed: int) -> Task:
         extra={
             "suite_version": SUITE_VERSION,
             "seed": seed,
+            "train_size": len(dataset["train"]),
             "source": "; ".join(s.citation for s in spec.sources),
             "source_packages": _package_versions(spec),
             "license": spec.license,
@@ -157,21 +178,24 @@ def _unknown(kind: str, name: str, known: list[str]) -> DataError:
     return DataError(f"unknown builtin {kind} {name!r}{hint}")
 
 
-def load_builtin_task(name: str, *, seed: int = 0, cache_dir=None) -> Task:
-    """One builtin task, from the cache when present (built and cached otherwise)."""
+def load_builtin_task(name: str, *, seed: int = 0, cache_dir=None, train_size: int | None = None) -> Task:
+    """One builtin task, from the cache when present (built and cached otherwise). `train_size`: the
+    training rows to draw from its pool (None: TRAIN_SIZE; fewer when the pool runs short:
+    `Task.extra["train_size"]`)."""
     if name not in BUILTIN_TASKS:
         raise _unknown("task", name, list(BUILTIN_TASKS))
     spec = BUILTIN_TASKS[name]
-    return _to_task(spec, _load_or_build(spec, seed, cache_dir, {}), seed)
+    return _to_task(spec, _load_or_build(spec, seed, cache_dir, {}, check_train_size(train_size)), seed)
 
 
-def load_suite(name: str, *, seed: int = 0, cache_dir=None) -> list[Task]:
+def load_suite(name: str, *, seed: int = 0, cache_dir=None, train_size: int | None = None) -> list[Task]:
     """Every task of a suite, in suite order; builds only what is not cached (the build's time: README,
     "The builtin suites")."""
     if name not in SUITES:
         raise DataError(f"unknown suite {name!r}; known suites: {', '.join(SUITES)}")
+    train_size = check_train_size(train_size)
     memo: dict = {}
     return [
-        _to_task(BUILTIN_TASKS[t], _load_or_build(BUILTIN_TASKS[t], seed, cache_dir, memo), seed)
+        _to_task(BUILTIN_TASKS[t], _load_or_build(BUILTIN_TASKS[t], seed, cache_dir, memo, train_size), seed)
         for t in SUITES[name]
     ]

@@ -36,6 +36,7 @@ def load_task(
     seed: int = 0,
     test_size: float = 0.2,
     cache_dir=None,
+    builtin_train_size: int | None = None,
 ) -> Task:
     """Resolve `ref`, in this order: an image task by name (`fashion_mnist`, `digits`: see
     `hf_fedtask.data.images`); builtin task name (or `builtin:<name>`); local save_to_disk folder
@@ -47,12 +48,18 @@ def load_task(
     Columns, unless given: the input is an `Image` feature column if there is one (`image`, then
     `img`, then the first), which makes an image task, else the first of TEXT_COLUMNS (a text task);
     `text_column=` names the input column of either kind. The label is the first of LABEL_COLUMNS. A local
-    folder's dataset card (README.md) may give the task's `instruction` in its front matter."""
+    folder's dataset card (README.md) may give the task's `instruction` in its front matter.
+    `builtin_train_size`: training rows of a builtin task (default 400; an error for any other kind of task,
+    whose size is its own)."""
     ref = str(ref)
+    if ref.startswith("builtin:") or ref in BUILTIN_TASKS:
+        return load_builtin_task(ref.removeprefix("builtin:"), seed=seed, cache_dir=cache_dir,
+                                 train_size=builtin_train_size)
+    if builtin_train_size is not None:
+        raise DataError(f"{ref}: builtin_train_size {builtin_train_size} applies to builtin tasks only; this "
+                        "task's training split has its own size (cap it with max_train_samples)")
     if ref in IMAGE_TASKS:
         return IMAGE_TASKS[ref](seed, cache_dir)
-    if ref.startswith("builtin:") or ref in BUILTIN_TASKS:
-        return load_builtin_task(ref.removeprefix("builtin:"), seed=seed, cache_dir=cache_dir)
     path = Path(ref).expanduser()
     name = path.stem
     if path.is_dir():

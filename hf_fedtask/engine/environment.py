@@ -35,9 +35,9 @@ from hf_fedtask.strategies import Strategy, build_strategy
 
 def load_tasks(config: RunConfig) -> list[Task]:
     if config.tasks:
-        tasks = [load_task(ref, seed=config.seed) for ref in config.tasks]
+        tasks = [load_task(ref, seed=config.seed, builtin_train_size=config.builtin_train_size) for ref in config.tasks]
     else:
-        tasks = load_suite(config.suite, seed=config.seed)
+        tasks = load_suite(config.suite, seed=config.seed, train_size=config.builtin_train_size)
     if config.max_train_samples:
         for t in tasks:
             n = min(config.max_train_samples, len(t.dataset["train"]))
