@@ -10,7 +10,8 @@ and label 0. Three clients, because with 5 (30 rounds, 1 local epoch) the backdo
 50%. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the linearized MLP, the
 last round collects each client's gradient) and `retrained` (the same without client 0). Removals of
 client 0 from `trained`: F²L² with the default damping λ = ρ·λ_max(H_s) and with the other ρ of
-`--rhos`, with an absolute λ = 10 (`--l2s`), with the target and retained forms of the gradient,
+`--rhos`, with an absolute λ = 10 (`--l2s`), with the target and retained forms of the gradient
+(swept over `--rhos` too with `--forms`),
 and the SGA baseline (the client ascends its own loss); the project's own removal,
 `--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered

@@ -164,7 +164,7 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     and one (SGA) client messages, the distance split, the plot."""
     out = tmp_path / "f2l2"
     flags = ["--tasks", "digits", "--backdoor-trigger", "3", "--rounds", "3", "--local-epochs", "1",
-             "--negation-rounds", "1", "--output-dir", str(out)]
+             "--negation-rounds", "1", "--rhos", "0.01", "--forms", "retained", "--output-dir", str(out)]
     assert load_recipe("f2l2_backdoor").main(flags) == 0
     table = json.loads((out / "f2l2_backdoor.json").read_text())
     rows = table["rows"]
@@ -176,6 +176,9 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
             and rows["FedAvg trained"]["distance_to_retrain"] is None)
     decomposition = table["decomposition"]  # the default removal's damping: λ = ρ·λ_max(H_s)
     assert decomposition["lambda"] == pytest.approx(decomposition["rho"] * decomposition["lambda_max"], rel=1e-6)
+    swept, retained = rows["f2l2 (ρ=0.01)"], rows["f2l2 retained (ρ=0.01)"]  # --forms: the same ρ, another form
+    assert swept["lambda"] == retained["lambda"] == pytest.approx(0.01 * decomposition["lambda_max"], rel=1e-6)
+    assert swept["distance_to_retrain"] != retained["distance_to_retrain"]
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
 
 
