@@ -120,7 +120,8 @@ def test_a_larger_train_size_draws_more_of_the_pool_and_keeps_the_test_rows(suit
     assert rows(large, "test") == rows(default, "test")
     assert set(rows(default, "train")) < set(rows(large, "train"))
     assert Counter(large.dataset["train"]["label"]) == {0: 1600, 1: 1600}
-    assert not {text_key(t) for t in large.dataset["train"]["text"]} & {text_key(t) for t in large.dataset["test"]["text"]}
+    keys = {split: {text_key(t) for t in large.dataset[split]["text"]} for split in ("train", "test")}
+    assert not keys["train"] & keys["test"]
     assert (tmp_path / "suites" / SUITE_VERSION / "seed0" / "vader_polarity-train3200").is_dir()
     assert not (tmp_path / "suites" / SUITE_VERSION / "seed0" / "vader_polarity").exists()
     short = load_builtin_task("city_ru_ua", train_size=100_000, cache_dir=tmp_path)  # the pool runs out first
