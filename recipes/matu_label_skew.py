@@ -8,7 +8,8 @@ setting of `recipes/matu_8task.py` (builtin-8, one shared 6-output head, 8 clien
 for MaTU with the per-task downlink (`downlink: per_task`, the delta step's fix: each client starts a
 round from its own tasks' τ^t), MaTU as the 8-round tables ran it (`downlink: unified`), FedAvg, and
 per-task FedAvg (FedYolo's per-task modules: no task shares parameters with another, so what is left is
-label skew alone). `--methods ... scaffold` adds SCAFFOLD (control variates against client drift) as a probe.
+label skew alone). `--methods ... scaffold fedavg_sgd` adds SCAFFOLD (control variates against client drift)
+as a probe, beside FedAvg with the same SGD (SCAFFOLD corrects SGD steps; both at lr 0.3).
 
     python recipes/matu_label_skew.py                                  # 3 seeds, both studies
     python recipes/matu_label_skew.py --seeds 0 --studies rounds       # one seed, one study
@@ -37,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-METHODS = ("matu_per_task_downlink", "matu", "fedavg", "per_task_fedavg", "scaffold")
+METHODS = ("matu_per_task_downlink", "matu", "fedavg", "per_task_fedavg", "scaffold", "fedavg_sgd")
 STUDIES = ("rounds", "epochs")
 
 
