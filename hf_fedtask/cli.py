@@ -108,7 +108,8 @@ _UNLEARN_MODES = (
                  note=" (one subtraction of the task's vector: no rounds, nothing to resume)"),
     _UnlearnMode(label="--method f2l2", method="f2l2", targets=("--client",), workflow="remove_client",
                  fixed={"method": "f2l2"}, flags={"--rho": "rho", "--l2": "l2", "--gradient": "gradient",
-                                                  "--cg-iterations": "iterations", "--cg-tolerance": "tolerance"},
+                                                  "--cg-iterations": "iterations", "--cg-tolerance": "tolerance",
+                                                  "--trust-radius": "trust_radius"},
                  note=" (one Newton step on the server: no rounds)"),
     _UnlearnMode(label="--method sga", method="sga", targets=("--client",), workflow="remove_client",
                  fixed={"method": "sga"}, flags={"--sga-epochs": "sga_epochs", "--sga-lr": "sga_lr"},
@@ -360,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient alone (the paper's), or from the retained clients'")
     p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")
     p.add_argument("--cg-tolerance", type=float, default=None, help="f2l2: stop at this relative residual (1e-6)")
+    p.add_argument("--trust-radius", type=float, default=None,
+                   help="f2l2: cap the step's norm at this multiple of ‖w* − w₀‖, raising λ until it fits (0: no "
+                        "cap; default: the run's removal_trust_radius, 1)")
     p.add_argument("--sga-epochs", type=float, default=None, help="sga: epochs of ascent (1)")
     p.add_argument("--sga-lr", type=float, default=None, help="sga: learning rate (1e-3)")
     p.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")

@@ -9,9 +9,9 @@ Client 0's training data all carry a white square at the bottom right (`--backdo
 and label 0. Three clients, because with 5 (30 rounds, 1 local epoch) the backdoor plateaued at BSR ≈
 50%. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the linearized MLP, the
 last round collects each client's gradient) and `retrained` (the same without client 0). Removals of
-client 0 from `trained`: F²L² with the default damping λ = ρ·λ_max(H_s) and with the other ρ of
-`--rhos`, with an absolute λ = 10 (`--l2s`), with the target and retained forms of the gradient
-(swept over `--rhos` too with `--forms`),
+client 0 from `trained`: F²L² with the default damping λ = ρ·λ_max(H_s) and trust region (and without
+the region), with the other ρ of `--rhos`, with an absolute λ = 10 (`--l2s`), with the target and
+retained forms of the gradient (swept over `--rhos` too with `--forms`),
 and the SGA baseline (the client ascends its own loss); the project's own removal,
 `--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered
@@ -46,6 +46,7 @@ from hf_fedtask.engine.run_folder import open_finished_run, read_history  # noqa
 from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
+from hf_fedtask.strategies.f2l2 import RemovalOptions  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client, unlearn  # noqa: E402
@@ -78,17 +79,21 @@ L2S = (10.0,)  # absolute λ: the former default
 
 
 def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
-    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping);
-    `forms`: gradient forms besides the default swept over `rhos` too."""
+    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping
+    and trust region, then the same without the region); `forms`: gradient forms besides the default swept
+    over `rhos` too. The sweeps run without the trust region, the default-damping rows with it."""
     c = strategy_config
     default_rho = c.removal_rho if c.removal_damping == "relative" else None
     own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
            "objective": "the objective's λ"}[c.removal_damping]
+    free = {"trust_radius": 0.0}  # the sweeps show each damping as it is, without the trust region
     rows = {f"f2l2 (default, {own})": {}}
-    rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho} for rho in rhos if rho != default_rho})
-    rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2} for l2 in l2s})
+    if c.removal_trust_radius:
+        rows[f"f2l2 ({own}, no trust region)"] = free
+    rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho, **free} for rho in rhos if rho != default_rho})
+    rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2, **free} for l2 in l2s})
     rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("target", "retained")})
-    rows.update({f"f2l2 {form} (ρ={rho:g})": {"gradient": form, "rho": rho}
+    rows.update({f"f2l2 {form} (ρ={rho:g})": {"gradient": form, "rho": rho, **free}
                  for form in forms for rho in rhos if rho != default_rho})
     rows["SGA"] = {"method": "sga", "sga_lr": 1e-2}
     return rows
@@ -183,8 +188,9 @@ def main(argv=None) -> int:
         retained = [k for k in range(env.num_clients) if k != target]
         retained_data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
                                           env.task_by_name[task])
-        oracle = env.strategy.remove_client(trained.state, env, target, hessian_data=retained_data)
-        default = env.strategy.remove_client(trained.state, env, target)
+        raw = RemovalOptions(trust_radius=0.0)  # both at the default damping as it is: the Hessians' difference alone
+        oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
+        default = env.strategy.remove_client(trained.state, env, target, raw)
         decomposition = {"lambda": default.l2, "lambda_max": default.lambda_max, "rho": default.rho,
                          "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
                          "exact_step_to_retrain": (model_of(oracle.state, task) - rows["retrained"]["w"]).norm(),

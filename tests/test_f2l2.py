@@ -26,7 +26,13 @@ from hf_fedtask.engine.run import run
 from hf_fedtask.engine.run_folder import open_finished_run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
-from hf_fedtask.model.newton import GaussNewton, conjugate_gradient, data_gradient, largest_eigenvalue
+from hf_fedtask.model.newton import (
+    GaussNewton,
+    conjugate_gradient,
+    data_gradient,
+    largest_eigenvalue,
+    solve_within_radius,
+)
 from hf_fedtask.strategies.base import task_model, task_point
 from hf_fedtask.strategies.f2l2 import RemovalOptions
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
@@ -195,6 +201,50 @@ def test_the_difference_form_lies_between_the_target_and_the_retained_forms(back
     assert (w["difference"] - mix).norm() < 1e-3 * (w["retained"] - w["target"]).norm()
 
 
+def test_the_trust_region_raises_the_damping_until_the_step_fits():
+    """`solve_within_radius` against direct solves on an explicit ill-conditioned matrix: a radius the first
+    step fits changes nothing (one solve); a smaller one gives the exact damped step of a larger λ, within
+    [0.8, 1] of the radius, in a few solves."""
+    torch.manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(40, 40, dtype=torch.float64))
+    a = q @ torch.diag(torch.logspace(-6, 2, 40, dtype=torch.float64)) @ q.T
+    b = TaskVector({"w": torch.randn(40, dtype=torch.float64)})
+
+    def apply(v):
+        return TaskVector({"w": a @ v["w"]})
+
+    def direct(lam):
+        return torch.linalg.solve(a + lam * torch.eye(40, dtype=torch.float64), b["w"])
+
+    free_norm = float(direct(1e-4).norm())
+    x, info = solve_within_radius(apply, b, damping=1e-4, radius=2 * free_norm, iterations=400, tolerance=1e-12)
+    assert info.damping == 1e-4 and info.solves == 1 and torch.allclose(x["w"], direct(1e-4), rtol=1e-6)
+    for radius in (free_norm / 10, free_norm / 1e3, free_norm / 1e5):
+        x, info = solve_within_radius(apply, b, damping=1e-4, radius=radius, iterations=400, tolerance=1e-12)
+        assert info.damping > 1e-4 and 0.8 * radius <= x.norm() <= radius and info.solves <= 6
+        assert torch.allclose(x["w"], direct(info.damping), rtol=1e-6, atol=1e-12)
+    x, info = solve_within_radius(apply, b, damping=1e-4, radius=0.0, iterations=400, tolerance=1e-12)
+    assert info.solves == 1 and torch.allclose(x["w"], direct(1e-4), rtol=1e-6)
+
+
+def test_the_removal_step_stays_inside_its_trust_region(backdoored):
+    """The step is capped at removal_trust_radius·‖w* − w₀‖: on digits the default radius (1) leaves the
+    default step as it is; a radius of 0.005 raises λ until the step fits and records both λ."""
+    root = backdoored[0]
+    finished = open_finished_run(root / "trained")
+    state, env, strategy = finished.state, finished.env, finished.env.strategy
+    moved = (task_model(state.vectors, "digits") - task_point(state.vectors, "digits")).norm()
+    default = strategy.remove_client(state, env, 0)
+    free = strategy.remove_client(state, env, 0, RemovalOptions(trust_radius=0.0))
+    assert default.trust_radius == pytest.approx(moved) and default.step_norm < moved and default.untrusted_l2 is None
+    assert default.l2 == free.l2 and free.trust_radius == 0
+    capped = strategy.remove_client(state, env, 0, RemovalOptions(trust_radius=0.005))
+    assert capped.untrusted_l2 == pytest.approx(default.l2) and capped.l2 > default.l2
+    assert 0.8 * 0.005 * moved <= capped.step_norm <= 0.005 * moved + 1e-9 and capped.step_norm < default.step_norm
+    out = remove_client(root / "trained", 0, trust_radius=0.005, output_dir=root / "capped")["unlearning"]
+    assert out["untrusted_l2"] == pytest.approx(default.l2) and "trust region" in out["how"]
+
+
 def test_f2l2_refusals(tmp_path, backdoored):
     with pytest.raises(ConfigError, match="one task per run"):
         run(RunConfig(**{**BACKDOOR, "tasks": ["digits", "digits"]}, output_dir=str(tmp_path / "a")))
@@ -232,15 +282,18 @@ def test_bad_damping_options_are_one_line_errors(backdoored, capsys):
     """ρ must be positive, ρ and an absolute λ exclude each other, the damping mode is one of two: refused
     by the removal options, the run's strategy options and the CLI (exit 2, one line, nothing written)."""
     for kwargs, message in (({"rho": 0.0}, "rho must be > 0"), ({"rho": -1.0}, "rho must be > 0"),
-                            ({"l2": -1.0}, "l2 must be >= 0"), ({"rho": 0.1, "l2": 1.0}, "not both")):
+                            ({"l2": -1.0}, "l2 must be >= 0"), ({"rho": 0.1, "l2": 1.0}, "not both"),
+                            ({"trust_radius": -0.5}, "trust_radius must be >= 0")):
         with pytest.raises(ConfigError, match=message):
             RemovalOptions(**kwargs)
     for options, message in (({"removal_rho": 0.0}, "removal_rho"), ({"removal_damping": "hessian"}, "hessian"),
-                             ({"removal_l2": -1.0}, "removal_l2")):
+                             ({"removal_l2": -1.0}, "removal_l2"), ({"removal_trust_radius": -1.0},
+                                                                    "removal_trust_radius")):
         with pytest.raises(ConfigError, match=message):
             RunConfig(**{**BACKDOOR, "strategy_options": options})
     trained = backdoored[0] / "trained"
-    for flags, message in ((["--rho", "0"], "rho must be > 0"), (["--rho", "0.1", "--l2", "3"], "not both")):
+    for flags, message in ((["--rho", "0"], "rho must be > 0"), (["--rho", "0.1", "--l2", "3"], "not both"),
+                           (["--trust-radius", "-1"], "trust_radius must be >= 0")):
         assert main(["unlearn", str(trained), "--client", "0", "--method", "f2l2", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err

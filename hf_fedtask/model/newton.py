@@ -16,6 +16,7 @@ vectors returned are CPU tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,6 +144,59 @@ def conjugate_gradient(apply: Callable[[TaskVector], TaskVector], b: TaskVector,
         rs = rs_new
     residual = (b - product(x)).norm() / b_norm
     return x, SolveInfo(done, float(residual))
+
+
+@dataclass
+class TrustInfo:
+    """How `solve_within_radius` ended: the damping it settled on, the solves it took (1: the first step
+    fitted) and the last solve's `SolveInfo`."""
+
+    damping: float
+    solves: int
+    solve: SolveInfo
+
+
+def solve_within_radius(apply: Callable[[TaskVector], TaskVector], b: TaskVector, *, damping: float, radius: float,
+                        iterations: int = 100, tolerance: float = 1e-6,
+                        max_solves: int = 12) -> tuple[TaskVector, TrustInfo]:
+    """x = (A + λ·I)⁻¹·b with about the smallest λ ≥ `damping` for which ‖x‖ ≤ `radius` (a Levenberg-Marquardt
+    trust region; ‖x(λ)‖ falls monotonically with λ). The first solve uses `damping`; while the step is
+    too long, λ grows along the secant of log ‖x‖ against log λ (slope clipped to [1/4, 1]; 1 at first,
+    the flat directions' ‖x‖ ∝ 1/λ), aiming at 0.95·radius; once a step fits, log λ is bisected between
+    the last λ too small and the first that fits. It stops at a step within [0.8, 1]·radius, or after
+    `max_solves` with the fitting step of the smallest λ found (λ raised 100-fold if none fitted).
+    `radius` ≤ 0: no region, one solve."""
+    def solve(lam: float):
+        x, info = conjugate_gradient(apply, b, damping=lam, iterations=iterations, tolerance=tolerance)
+        return lam, x, info, x.norm()
+
+    low = solve(damping)  # (λ, x, info, ‖x‖), the largest λ known to give too long a step
+    solves = 1
+    if radius <= 0 or low[3] <= radius:
+        return low[1], TrustInfo(damping, solves, low[2])
+    previous, fits = None, None  # the try before `low`; the smallest λ known to fit
+    while solves < max_solves:
+        if fits is None:
+            slope = 1.0
+            if previous is not None:
+                slope = -math.log(low[3] / previous[3]) / math.log(low[0] / previous[0])
+                slope = min(max(slope, 0.25), 1.0)
+            base = low[0] if low[0] > 0 else 1e-12 * b.norm() / radius
+            lam = base * (low[3] / (0.95 * radius)) ** (1.0 / slope)
+        else:
+            lam = math.sqrt(low[0] * fits[0]) if low[0] > 0 else fits[0] / 10
+        tried = solve(lam)
+        solves += 1
+        if tried[3] > radius:
+            previous, low = low, tried
+        else:
+            fits = tried
+            if tried[3] >= 0.8 * radius:
+                break
+    if fits is None:
+        fits = solve(low[0] * 100.0)
+        solves += 1
+    return fits[1], TrustInfo(fits[0], solves, fits[2])
 
 
 @dataclass

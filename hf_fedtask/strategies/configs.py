@@ -131,6 +131,11 @@ class F2L2Config(StrategyConfig):
                                 minimum=0.0, exclusive_minimum=True)
     removal_l2: float = option(10.0, "λ of the removal step under removal_damping absolute; equal to l2 > 0 it is "
                                "the exact Newton step of the trained objective", minimum=0.0)
+    removal_trust_radius: float = option(1.0, "cap the removal step's norm at this multiple of ‖w* − w₀‖, how far "
+                                         "training moved from w₀, raising λ until the step fits (0: no cap): "
+                                         "retraining from w₀ for the same rounds ended 0.3-0.7 of that from w* in "
+                                         "the README's settings, and a longer step is one the server's Hessian "
+                                         "cannot vouch for", minimum=0.0)
     start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
                         "initialization (the official code's)", choices=("pretrained", "random"))
 

@@ -17,8 +17,11 @@ training, then certified removal of a client by one Newton step computed on the 
                      conjugate gradient (`hf_fedtask.model.newton`), with λ = ρ·λ_max(H_s) by default
                      (`removal_damping`): a damping relative to the Hessian's own scale, so one ρ serves
                      a full MLP, LoRA and a linear probe, whose curvatures differ by orders of magnitude;
-                     or λ = l2 + λ_r (`objective`), the exact Newton step of the trained objective.
-                     No message to any client.
+                     or λ = l2 + λ_r (`objective`), the exact Newton step of the trained objective;
+                     a step longer than `removal_trust_radius`·‖w* − w₀‖ (how far training moved) is
+                     refused by raising λ until it fits (a Levenberg-Marquardt trust region: where the
+                     server's slice misses directions the clients' data use, H_s + λI is near λI there
+                     and the step would blow up). No message to any client.
 
 g₋ stands for ∇F₋(w*), the gradient of the objective without client m at w*, in three forms (r(w) =
 λ·w + λ_r·(w − w₀) the regularizer's gradient, ḡ₋ the retained clients' n-weighted mean gradient):
@@ -80,13 +83,15 @@ class RemovalOptions:
     from: the API, the CLI, a recipe): the damping, `rho` for λ = ρ·λ_max(H_s) or `l2` for an absolute λ
     (at most one; neither: the run's `removal_damping` with its `removal_rho` / `removal_l2`), `gradient`
     the form of g₋ (`GRADIENT_FORMS`), at most `iterations` conjugate-gradient iterations (at least one)
-    and the relative residual `tolerance` at which they stop."""
+    and the relative residual `tolerance` at which they stop, and `trust_radius` the cap on the step's norm
+    as a multiple of ‖w* − w₀‖ (None: the run's `removal_trust_radius`; 0: none)."""
 
     l2: float | None = None
     rho: float | None = None
     gradient: str = "difference"
     iterations: int = 200
     tolerance: float = 1e-6
+    trust_radius: float | None = None
 
     def __post_init__(self):
         if self.gradient not in GRADIENT_FORMS:
@@ -98,6 +103,9 @@ class RemovalOptions:
             raise ConfigError(f"f2l2 removal: l2 must be >= 0, got {self.l2}")
         if self.rho is not None and not self.rho > 0:
             raise ConfigError(f"f2l2 removal: rho must be > 0 (λ = ρ·λ_max of the server's Hessian), got {self.rho}")
+        if self.trust_radius is not None and not self.trust_radius >= 0:
+            raise ConfigError(f"f2l2 removal: trust_radius must be >= 0 (a multiple of ‖w* − w₀‖; 0: no cap), "
+                              f"got {self.trust_radius}")
         if self.iterations < 1:
             raise ConfigError(f"f2l2 removal: cg_iterations must be >= 1 (the conjugate-gradient iterations of the "
                               f"Newton step; 0 would leave the model as it is), got {self.iterations}")
@@ -106,8 +114,8 @@ class RemovalOptions:
 @dataclass
 class RemovalResult:
     """What `F2L2.remove_client` did: the new state, the damping λ it used (`damping` relative: ρ·λ_max,
-    with λ_max(H_s) and the Lanczos products it took; absolute: λ as given; objective: l2 + λ_r) and how
-    the solve went."""
+    with λ_max(H_s) and the Lanczos products it took; absolute: λ as given; objective: l2 + λ_r; raised from
+    `untrusted_l2` where the step would have left the trust region) and how the solves went."""
 
     state: GlobalState
     client: int
@@ -121,6 +129,9 @@ class RemovalResult:
     rho: float | None = None
     lambda_max: float | None = None
     eigen_iterations: int = 0
+    trust_radius: float = 0.0  # the cap on ‖step‖ (absolute; 0: none)
+    untrusted_l2: float | None = None  # the damping's own λ when the cap raised it, else None
+    solves: int = 1
 
 
 @register_strategy
@@ -302,7 +313,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         form alone keeps clean accuracy within a point of retraining). `hessian_data`: prepared data to build H from
         instead of D_s, for measurement only (the retained clients' data give the step the approximation
         H_s ≈ H₋ stands in for)."""
-        from hf_fedtask.model.newton import GaussNewton, conjugate_gradient, largest_eigenvalue
+        from hf_fedtask.model.newton import GaussNewton, largest_eigenvalue, solve_within_radius
 
         options = options or RemovalOptions()
         if self.phase(state) != DONE:
@@ -342,12 +353,15 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             if damping == RELATIVE:
                 lambda_max, eigen = largest_eigenvalue(hessian, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations
-            step, info = conjugate_gradient(hessian, g, damping=lam, iterations=options.iterations,
-                                            tolerance=options.tolerance)
+            factor = c.removal_trust_radius if options.trust_radius is None else options.trust_radius
+            radius = factor * (w - w0).norm()
+            step, trust = solve_within_radius(hessian, g, damping=lam, radius=radius, iterations=options.iterations,
+                                              tolerance=options.tolerance)
+        untrusted, lam, info = (lam if trust.damping != lam else None), trust.damping, trust.solve
         removed = w - step
         shared = state.vectors[SHARED]
         vectors = {SHARED: removed.filter(lambda k: k in shared),
                    head_name(task): removed.filter(lambda k: k not in shared)}
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
-                             g.norm(), damping, rho, lambda_max, eigen_iterations)
+                             g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted, trust.solves)

@@ -161,14 +161,16 @@ REMOVED_MODEL = "model.safetensors"
 
 def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2: float | None = None,
                   rho: float | None = None, gradient: str = "difference", iterations: int = 200,
-                  tolerance: float = 1e-6, sga_epochs: float = 1.0, sga_lr: float = 1e-3,
+                  tolerance: float = 1e-6, trust_radius: float | None = None, sga_epochs: float = 1.0,
+                  sga_lr: float = 1e-3,
                   output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
     """Remove client `client` from a finished F²L² run in one step and write the result (evaluated,
     exported, carded) to `output_dir` (default `<run_dir>-remove-client<K>-<method>`).
 
     `f2l2`: w₋ = w* − (H_s + λI)⁻¹·g₋ on the server alone (`F2L2.remove_client`; λ = `rho`·λ_max(H_s) or
     an absolute `l2`, by default the run's `removal_damping`; `gradient` the form of g₋, CG `iterations`
-    and `tolerance`). `sga`: the client runs `sga_epochs` of
+    and `tolerance`, `trust_radius` the step's cap as a multiple of ‖w* − w₀‖, by default the run's
+    `removal_trust_radius`). `sga`: the client runs `sga_epochs` of
     stochastic gradient ascent (SGD, `sga_lr`) on its own data's loss from w*. Returns the results,
     whose `unlearning` entry holds the metrics before and after, the wall time, one training round's
     median time and the number of client messages the removal took; the model itself is also saved
@@ -179,8 +181,8 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     if method not in REMOVAL_METHODS:
         raise ConfigError(f"unknown removal method {method!r}; choose one of {', '.join(REMOVAL_METHODS)}")
     # checked before the run is opened: nothing is loaded or written for options the step would refuse
-    options = (RemovalOptions(l2=l2, rho=rho, gradient=gradient, iterations=iterations, tolerance=tolerance)
-               if method == "f2l2" else None)
+    options = (RemovalOptions(l2=l2, rho=rho, gradient=gradient, iterations=iterations, tolerance=tolerance,
+                              trust_radius=trust_radius) if method == "f2l2" else None)
     finished = open_finished_run(run_dir)
     run_dir, env, state = finished.run_dir, finished.env, finished.state
     strategy = env.strategy
@@ -203,12 +205,16 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                    "lambda_max": removal.lambda_max, "eigen_iterations": removal.eigen_iterations,
                    "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm,
-                   "ridge_lambda": strategy.ridge_lambda(state)}
+                   "trust_radius": removal.trust_radius, "untrusted_l2": removal.untrusted_l2,
+                   "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state)}
         if removal.damping == "relative":
             scale = f" = ρ·λ_max(H_s) = {removal.rho:g} × {removal.lambda_max:.4g}"
         else:
             scale = (" = l2 + λ_r, the trained objective's own (the exact Newton step)"
                      if removal.damping == "objective" else " (absolute)")
+        if removal.untrusted_l2 is not None:
+            scale = (f", raised from {removal.untrusted_l2:.4g}{scale} until the step fitted the trust region "
+                     f"‖step‖ ≤ {removal.trust_radius:.4g} ({removal.solves} solves)")
         how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:.4g}{scale} and the "
                f"{removal.gradient} form of g, solved by conjugate gradient ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
