@@ -285,3 +285,15 @@ def test_label_skew_recipe_tabulates_curves_and_epochs_over_seeds(tiny_bert_dir,
     predicted, classes = map(int, cells[5].split(" / "))
     assert 1 <= predicted <= classes == scores["num_labels"] and 0 < float(cells[6]) <= 100
     assert sum(line.startswith("| epochs | ") for line in predictions) == 2 * len(run["tasks"])
+
+
+def test_the_sgd_probes_refuse_an_optimizer_they_would_override(tmp_path, capsys):
+    """scaffold and fedavg_sgd run SGD at lr 0.3; asked for another rate, the recipe says so (exit 2) and
+    runs nothing, instead of overriding it for them."""
+    recipe = load_recipe("matu_8task")
+    out = tmp_path / "probe"
+    flags = ["--methods", "fedavg", "scaffold", "--seeds", "0", "--learning-rate", "0.0005", "--output-dir", str(out)]
+    assert recipe.main(flags) == 2
+    err = capsys.readouterr().err
+    assert "--methods scaffold train with SGD at lr 0.3" in err and err.count("\n") == 1, err
+    assert not out.exists()
