@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from hf_fedtask.config import add_config_arguments, config_from_args
 from hf_fedtask.data.builtin_tasks import SUITES
 from hf_fedtask.errors import ConfigError, FedTaskError
+from hf_fedtask.strategies.configs import GRADIENT_FORMS
 
 
 def _run(args) -> int:
@@ -356,9 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the run's removal_damping, relative with removal_rho 0.002)")
     p.add_argument("--l2", type=float, default=None,
                    help="f2l2: damp the removal step with this absolute λ instead (not with --rho)")
-    p.add_argument("--gradient", choices=("difference", "target", "retained"), default=None,
-                   help="f2l2: g as the client's share of the gradient (default), from the removed client's "
-                        "gradient alone (the paper's), or from the retained clients'")
+    p.add_argument("--gradient", choices=GRADIENT_FORMS, default=None,
+                   help="f2l2: g as the client's share of the gradient where its step fits the trust region and "
+                        "from the retained clients' where it does not (auto, the default), the client's share "
+                        "(difference), from the removed client's gradient alone (target, the paper's), or from "
+                        "the retained clients' (retained)")
     p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")
     p.add_argument("--cg-tolerance", type=float, default=None, help="f2l2: stop at this relative residual (1e-6)")
     p.add_argument("--trust-radius", type=float, default=None,

@@ -9,15 +9,15 @@ Client 0's training data all carry a white square at the bottom right (`--backdo
 and label 0. Three clients, because with 5 (30 rounds, 1 local epoch) the backdoor plateaued at BSR ≈
 50%. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the linearized MLP, the
 last round collects each client's gradient) and `retrained` (the same without client 0). Removals of
-client 0 from `trained`: F²L² with the default damping λ = ρ·λ_max(H_s) and trust region (and without
-the region), with the other ρ of `--rhos`, with an absolute λ = 10 (`--l2s`), with the target and
-retained forms of the gradient (swept over `--rhos` too with `--forms`),
-and the SGA baseline (the client ascends its own loss); the project's own removal,
-`--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
+client 0 from `trained`: F²L² with its defaults (damping λ = ρ·λ_max(H_s), the auto form of the gradient
+inside the trust region), the difference form with and without the region, with the other ρ of `--rhos`,
+with an absolute λ = 10 (`--l2s`), with the target and retained forms of the gradient (swept over
+`--rhos` too with `--forms`), and the SGA baseline (the client ascends its own loss); the project's own
+removal, `--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered
 test images of the other classes, BSR on the client's poisoned training set as the official code
-measures it, the gaps to retraining, ‖w − w_retrain‖, the damping λ used, removal time over one
-training round's and over the retraining's training rounds, and client messages), the split of the
+measures it, the gaps to retraining, ‖w − w_retrain‖, the form of the gradient and the damping λ used,
+removal time over one training round's and over the retraining's training rounds, and client messages), the split of the
 distance to retraining into the Hessian approximation's share (the same step with the retained
 clients' own Hessian, which only a simulation can compute) and the rest, `f2l2_backdoor.json` and
 `f2l2_backdoor.png`. Finished runs in `<output_dir>` are reused: the removals alone take seconds.
@@ -79,19 +79,22 @@ L2S = (10.0,)  # absolute λ: the former default
 
 
 def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
-    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's own damping
-    and trust region, then the same without the region); `forms`: gradient forms besides the default swept
-    over `rhos` too. The sweeps run without the trust region, the default-damping rows with it."""
+    """The removals of the table, by row name -> `remove_client` keywords (the first: the run's defaults, the
+    auto form inside the trust region; then the difference form with the region and without it); `forms`:
+    gradient forms swept over `rhos` besides the difference form. The sweeps run without the trust region,
+    the default-damping rows with it."""
     c = strategy_config
     default_rho = c.removal_rho if c.removal_damping == "relative" else None
     own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
            "objective": "the objective's λ"}[c.removal_damping]
     free = {"trust_radius": 0.0}  # the sweeps show each damping as it is, without the trust region
-    rows = {f"f2l2 (default, {own})": {}}
+    rows = {f"f2l2 (default: auto form, {own})": {},
+            f"f2l2 difference form ({own})": {"gradient": "difference"}}
     if c.removal_trust_radius:
-        rows[f"f2l2 ({own}, no trust region)"] = free
-    rows.update({f"f2l2 (ρ={rho:g})": {"rho": rho, **free} for rho in rhos if rho != default_rho})
-    rows.update({f"f2l2 (λ={l2:g} absolute)": {"l2": l2, **free} for l2 in l2s})
+        rows[f"f2l2 difference form ({own}, no trust region)"] = {"gradient": "difference", **free}
+    rows.update({f"f2l2 difference (ρ={rho:g})": {"rho": rho, "gradient": "difference", **free}
+                 for rho in rhos if rho != default_rho})
+    rows.update({f"f2l2 difference (λ={l2:g} absolute)": {"l2": l2, "gradient": "difference", **free} for l2 in l2s})
     rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("target", "retained")})
     rows.update({f"f2l2 {form} (ρ={rho:g})": {"gradient": form, "rho": rho, **free}
                  for form in forms for rho in rhos if rho != default_rho})
@@ -167,7 +170,8 @@ def main(argv=None) -> int:
         # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
         # each round's evaluation is included, as it is in one round's time above)
         retrain_s = sum(r["seconds"] for r in retrained.history if r.get("kind", "train") == "train")
-        for name, options in removals(env.strategy.config, args.rhos, args.l2s, args.forms).items():
+        plan = removals(env.strategy.config, args.rhos, args.l2s, args.forms)
+        for name, options in plan.items():
             folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
             results = remove_client(out / "trained", target, output_dir=folder, overwrite=True, **options)
             u = results["unlearning"]
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
                                                     lambda k: k not in trained.state.vectors[SHARED])})
             rows[name] = {"ta": u["after"][task]["accuracy"], "bsr": u["after"][task][BSR],
                           "bsr_train": poisoned_bsr(env, removed_state, target, task), "w": w,
-                          "seconds": u["seconds"], "messages": u["client_messages"],
+                          "seconds": u["seconds"], "messages": u["client_messages"], "form": u.get("form"),
                           "residual": u.get("relative_residual"), "lambda": u.get("l2"),
                           "lambda_max": u.get("lambda_max"), "rho": u.get("rho"),
                           "cg_iterations": u.get("cg_iterations"), "eigen_iterations": u.get("eigen_iterations")}
@@ -188,10 +192,12 @@ def main(argv=None) -> int:
         retained = [k for k in range(env.num_clients) if k != target]
         retained_data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
                                           env.task_by_name[task])
-        raw = RemovalOptions(trust_radius=0.0)  # both at the default damping as it is: the Hessians' difference alone
+        # both at the default damping as it is, in the form the default removal took: the Hessians' gap alone
+        raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0)
         oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
         default = env.strategy.remove_client(trained.state, env, target, raw)
-        decomposition = {"lambda": default.l2, "lambda_max": default.lambda_max, "rho": default.rho,
+        decomposition = {"form": default.form, "lambda": default.l2, "lambda_max": default.lambda_max,
+                         "rho": default.rho,
                          "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
                          "exact_step_to_retrain": (model_of(oracle.state, task) - rows["retrained"]["w"]).norm(),
                          "f2l2_to_retrain": (model_of(default.state, task) - rows["retrained"]["w"]).norm()}
@@ -210,8 +216,8 @@ def main(argv=None) -> int:
              f"w₀, {base.rounds - 1} training rounds + the gradient round; one training round {round_s:.2f} s, "
              f"retraining's training rounds {retrain_s:.1f} s; λ_max(H_s) = {lambda_max}{ridge}**", "",
              "| model | TA % | BSR % (test) | BSR % (client's poisoned set) | ΔTA to retrain | ΔBSR to retrain "
-             "| ‖w − w_retrain‖ | λ | removal time / round | removal time / retraining | client messages |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ‖w − w_retrain‖ | form of g | λ | removal time / round | removal time / retraining | client messages |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         timing = f"{r['seconds'] / round_s:.2f}" if "seconds" in r else "-"
         share = f"{r['seconds'] / retrain_s:.4f}" if "seconds" in r else "-"
@@ -220,11 +226,12 @@ def main(argv=None) -> int:
         lam = f"{r['lambda']:.4g}" if r.get("lambda") is not None else "-"
         lines.append(f"| {name} | {100 * r['ta']:.1f} | {100 * r['bsr']:.1f} | {100 * r['bsr_train']:.1f} "
                      f"| {100 * (r['ta'] - ref['ta']):+.1f} | {100 * (r['bsr'] - ref['bsr']):+.1f} "
-                     f"| {distance} | {lam} | {timing} | {share} | {messages} |")
+                     f"| {distance} | {r.get('form') or '-'} | {lam} | {timing} | {share} | {messages} |")
     d = decomposition
-    lines += ["", f"Where the distance to retraining comes from (λ = {d['lambda']:.4g}): ‖w_F²L² − w_exact‖ = "
-              f"{d['hessian_error']:.3f} is the Hessian approximation (H_s from the server's slice instead of the "
-              f"retained clients' H₋), ‖w_exact − w_retrain‖ = {d['exact_step_to_retrain']:.3f} is the rest "
+    lines += ["", f"Where the distance to retraining comes from ({d['form']} form, λ = {d['lambda']:.4g}): "
+              f"‖w_F²L² − w_exact‖ = {d['hessian_error']:.3f} is the Hessian approximation (H_s from the server's "
+              f"slice instead of the retained clients' H₋), ‖w_exact − w_retrain‖ = "
+              f"{d['exact_step_to_retrain']:.3f} is the rest "
               f"(training not at its optimum, the damping λ); ‖w_F²L² − w_retrain‖ = {d['f2l2_to_retrain']:.3f}."]
     text = "\n".join(lines) + "\n"
     write_atomic(out / "f2l2_backdoor.md", text)

@@ -6,6 +6,7 @@ settings F²L² refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -152,7 +153,8 @@ def test_f2l2_removes_the_backdoor_on_the_server_alone(backdoored, monkeypatch):
     after, u = results["tasks"]["digits"], results["unlearning"]
     assert u["client_messages"] == 0 and u["relative_residual"] < 1e-5
     # the default damping is relative to the server Hessian's scale, and the removal records it
-    assert u["damping"] == "relative" and u["rho"] == 0.002 and u["gradient"] == "difference"
+    assert u["damping"] == "relative" and u["rho"] == 0.002 and u["gradient"] == "auto"
+    assert u["form"] == "difference" and u["difference_step"] <= u["trust_radius"]  # the step fits on digits
     assert u["lambda_max"] > 0 and u["eigen_iterations"] >= 2
     assert u["l2"] == pytest.approx(u["rho"] * u["lambda_max"]) and f"{u['rho']:g} × " in u["how"]
     assert after["backdoor_success_rate"] <= reference["backdoor_success_rate"] + 0.1
@@ -234,15 +236,46 @@ def test_the_removal_step_stays_inside_its_trust_region(backdoored):
     finished = open_finished_run(root / "trained")
     state, env, strategy = finished.state, finished.env, finished.env.strategy
     moved = (task_model(state.vectors, "digits") - task_point(state.vectors, "digits")).norm()
-    default = strategy.remove_client(state, env, 0)
-    free = strategy.remove_client(state, env, 0, RemovalOptions(trust_radius=0.0))
+    default = strategy.remove_client(state, env, 0, RemovalOptions(gradient="difference"))
+    free = strategy.remove_client(state, env, 0, RemovalOptions(gradient="difference", trust_radius=0.0))
     assert default.trust_radius == pytest.approx(moved) and default.step_norm < moved and default.untrusted_l2 is None
     assert default.l2 == free.l2 and free.trust_radius == 0
-    capped = strategy.remove_client(state, env, 0, RemovalOptions(trust_radius=0.005))
+    capped = strategy.remove_client(state, env, 0, RemovalOptions(gradient="difference", trust_radius=0.005))
     assert capped.untrusted_l2 == pytest.approx(default.l2) and capped.l2 > default.l2
     assert 0.8 * 0.005 * moved <= capped.step_norm <= 0.005 * moved + 1e-9 and capped.step_norm < default.step_norm
-    out = remove_client(root / "trained", 0, trust_radius=0.005, output_dir=root / "capped")["unlearning"]
+    out = remove_client(root / "trained", 0, gradient="difference", trust_radius=0.005,
+                        output_dir=root / "capped")["unlearning"]
     assert out["untrusted_l2"] == pytest.approx(default.l2) and "trust region" in out["how"]
+
+
+def test_the_auto_form_takes_the_difference_step_where_it_fits_and_the_retained_form_where_not(backdoored):
+    """The default `auto` form: on digits the difference form's step fits the default trust region and is
+    taken as it is (one solve more than nothing: the same model as asking for the difference form); under a
+    radius it overflows, the retained form is solved inside the region instead, the same model as asking for
+    that, and the result records which form was taken and the difference step that decided."""
+    root = backdoored[0]
+    finished = open_finished_run(root / "trained")
+    state, env, strategy = finished.state, finished.env, finished.env.strategy
+
+    def model(removal):
+        return task_model(removal.state.vectors, "digits")
+
+    auto = strategy.remove_client(state, env, 0)
+    difference = strategy.remove_client(state, env, 0, RemovalOptions(gradient="difference"))
+    assert auto.gradient == "auto" and auto.form == "difference" and auto.solves == 1
+    assert auto.difference_step == pytest.approx(difference.step_norm) and auto.difference_step <= auto.trust_radius
+    assert (model(auto) - model(difference)).norm() <= 1e-6 * difference.step_norm
+    tight = strategy.remove_client(state, env, 0, RemovalOptions(trust_radius=0.005))
+    retained = strategy.remove_client(state, env, 0, RemovalOptions(gradient="retained", trust_radius=0.005))
+    assert tight.form == "retained" and tight.difference_step > tight.trust_radius >= tight.step_norm
+    assert tight.difference_step == pytest.approx(difference.step_norm) and tight.solves == retained.solves + 1
+    assert (model(tight) - model(retained)).norm() <= 1e-6 * retained.step_norm
+    assert (model(tight) - model(difference)).norm() > 0.1 * difference.step_norm
+    out = remove_client(root / "trained", 0, trust_radius=0.005, output_dir=root / "auto-tight")["unlearning"]
+    assert out["form"] == "retained" and "did not fit the trust region" in out["how"]
+    no_region = type(strategy)(dataclasses.replace(strategy.config, removal_trust_radius=0.0))
+    with pytest.raises(ConfigError, match="removal_trust_radius is 0"):
+        no_region.remove_client(state, env, 0)
 
 
 def test_f2l2_refusals(tmp_path, backdoored):
@@ -283,9 +316,12 @@ def test_bad_damping_options_are_one_line_errors(backdoored, capsys):
     by the removal options, the run's strategy options and the CLI (exit 2, one line, nothing written)."""
     for kwargs, message in (({"rho": 0.0}, "rho must be > 0"), ({"rho": -1.0}, "rho must be > 0"),
                             ({"l2": -1.0}, "l2 must be >= 0"), ({"rho": 0.1, "l2": 1.0}, "not both"),
-                            ({"trust_radius": -0.5}, "trust_radius must be >= 0")):
+                            ({"trust_radius": -0.5}, "trust_radius must be >= 0"),
+                            ({"trust_radius": 0.0}, "auto gradient form picks its form by the trust region"),
+                            ({"gradient": "newton"}, "unknown gradient form 'newton'")):
         with pytest.raises(ConfigError, match=message):
             RemovalOptions(**kwargs)
+    assert RemovalOptions(gradient="difference", trust_radius=0.0).trust_radius == 0
     for options, message in (({"removal_rho": 0.0}, "removal_rho"), ({"removal_damping": "hessian"}, "hessian"),
                              ({"removal_l2": -1.0}, "removal_l2"), ({"removal_trust_radius": -1.0},
                                                                     "removal_trust_radius")):
@@ -293,7 +329,8 @@ def test_bad_damping_options_are_one_line_errors(backdoored, capsys):
             RunConfig(**{**BACKDOOR, "strategy_options": options})
     trained = backdoored[0] / "trained"
     for flags, message in ((["--rho", "0"], "rho must be > 0"), (["--rho", "0.1", "--l2", "3"], "not both"),
-                           (["--trust-radius", "-1"], "trust_radius must be >= 0")):
+                           (["--trust-radius", "-1"], "trust_radius must be >= 0"),
+                           (["--trust-radius", "0"], "auto gradient form picks its form by the trust region")):
         assert main(["unlearn", str(trained), "--client", "0", "--method", "f2l2", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err

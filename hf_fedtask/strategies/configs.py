@@ -101,6 +101,10 @@ class NTKFedProxConfig(NTKFedAvgConfig, FedProxConfig):
     """NTKFedProx's options: NTKFedAvg's and FedProx's μ."""
 
 
+AUTO = "auto"
+GRADIENT_FORMS = (AUTO, "difference", "target", "retained")  # F²L²'s forms of g₋ (`strategies.f2l2`)
+
+
 @dataclass
 class F2L2Config(StrategyConfig):
     """F²L²'s options: the server's own data and pretraining, the training objective and the removal step."""

@@ -26,9 +26,16 @@ training, then certified removal of a client by one Newton step computed on the 
 g₋ stands for ∇F₋(w*), the gradient of the objective without client m at w*, in three forms (r(w) =
 λ·w + λ_r·(w − w₀) the regularizer's gradient, ḡ₋ the retained clients' n-weighted mean gradient):
 `retained` ḡ₋ + r(w*), exact; `target` −(n_m/n₋)·(g_m + r(w*)), the paper's, equal to it when w* is a
-stationary point of the full objective (Σ_k n_k·g_k / n + r(w*) = 0); `difference` (the default)
-∇F₋(w*) − ∇F(w*) = (n_m/n)·(ḡ₋ − g_m), the client's share of the gradient alone, for a run that stops as
-far from its optimum as retraining for the same rounds would (the gradient both leave behind cancels).
+stationary point of the full objective (Σ_k n_k·g_k / n + r(w*) = 0); `difference` ∇F₋(w*) − ∇F(w*) =
+(n_m/n)·(ḡ₋ − g_m), the client's share of the gradient alone, for a run that stops as far from its optimum
+as retraining for the same rounds would (the gradient both leave behind cancels). `auto` (the default)
+takes the difference form when its step at the damping's λ fits the trust region and the retained form
+(solved within the region) when it does not: the difference form divides the client's own gradient by
+H_s + λI, and where the server's slice does not cover what the client's data move, that step grows like
+1/λ; the retained clients' gradient is the one H_s, an IID sample of their data, can stand in for. On the
+paper's MLP the difference step is 0.04 of the radius (the trigger sits in pixels clean images leave dark;
+only the client's gradient says what to undo there); on a text probe with a 320-text slice it is 4.4 times
+the radius, and the retained form lands within two points of retraining.
 The official code (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps
 the removal with λ it leaves out of g₋; `start: random`, `--gradient target` and a removal λ other than
 the training one reproduce it.
@@ -66,12 +73,11 @@ from hf_fedtask.strategies.base import (
     task_model,
     task_point,
 )
-from hf_fedtask.strategies.configs import F2L2Config
+from hf_fedtask.strategies.configs import AUTO, GRADIENT_FORMS, F2L2Config
 from hf_fedtask.strategies.fedavg import delta_update
 
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 GRADIENT_QUERY = "data_gradient"
-GRADIENT_FORMS = ("difference", "target", "retained")
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 RIDGE = "f2l2_ridge"  # the downlink's λ_r (one number; clients cannot compute it: D_s is the server's)
 EIGEN_ITERATIONS = 30  # Lanczos products for λ_max(H_s): measured, 8-20 reach a relative change of 1e-4
@@ -82,13 +88,14 @@ class RemovalOptions:
     """How `F2L2.remove_client` takes its Newton step, checked on construction (wherever the values come
     from: the API, the CLI, a recipe): the damping, `rho` for λ = ρ·λ_max(H_s) or `l2` for an absolute λ
     (at most one; neither: the run's `removal_damping` with its `removal_rho` / `removal_l2`), `gradient`
-    the form of g₋ (`GRADIENT_FORMS`), at most `iterations` conjugate-gradient iterations (at least one)
-    and the relative residual `tolerance` at which they stop, and `trust_radius` the cap on the step's norm
-    as a multiple of ‖w* − w₀‖ (None: the run's `removal_trust_radius`; 0: none)."""
+    the form of g₋ (`GRADIENT_FORMS`; `auto` picks difference or retained by the trust region, see the module
+    docstring), at most `iterations` conjugate-gradient iterations (at least one) and the relative residual
+    `tolerance` at which they stop, and `trust_radius` the cap on the step's norm as a multiple of ‖w* − w₀‖
+    (None: the run's `removal_trust_radius`; 0: none)."""
 
     l2: float | None = None
     rho: float | None = None
-    gradient: str = "difference"
+    gradient: str = AUTO
     iterations: int = 200
     tolerance: float = 1e-6
     trust_radius: float | None = None
@@ -103,6 +110,9 @@ class RemovalOptions:
             raise ConfigError(f"f2l2 removal: l2 must be >= 0, got {self.l2}")
         if self.rho is not None and not self.rho > 0:
             raise ConfigError(f"f2l2 removal: rho must be > 0 (λ = ρ·λ_max of the server's Hessian), got {self.rho}")
+        if self.gradient == AUTO and self.trust_radius == 0:
+            raise ConfigError("f2l2 removal: the auto gradient form picks its form by the trust region; give "
+                              "trust_radius > 0, or a form (difference, target, retained) to solve without one")
         if self.trust_radius is not None and not self.trust_radius >= 0:
             raise ConfigError(f"f2l2 removal: trust_radius must be >= 0 (a multiple of ‖w* − w₀‖; 0: no cap), "
                               f"got {self.trust_radius}")
@@ -115,7 +125,9 @@ class RemovalOptions:
 class RemovalResult:
     """What `F2L2.remove_client` did: the new state, the damping λ it used (`damping` relative: ρ·λ_max,
     with λ_max(H_s) and the Lanczos products it took; absolute: λ as given; objective: l2 + λ_r; raised from
-    `untrusted_l2` where the step would have left the trust region) and how the solves went."""
+    `untrusted_l2` where the step would have left the trust region), the form of g₋ asked for (`gradient`) and
+    the one taken (`form`: `auto` takes difference or retained; `difference_step`, the difference form's step
+    that decided, or None) and how the solves went."""
 
     state: GlobalState
     client: int
@@ -132,6 +144,8 @@ class RemovalResult:
     trust_radius: float = 0.0  # the cap on ‖step‖ (absolute; 0: none)
     untrusted_l2: float | None = None  # the damping's own λ when the cap raised it, else None
     solves: int = 1
+    form: str = ""  # the form of g₋ the step took (`gradient`, or what `auto` chose)
+    difference_step: float | None = None  # auto: ‖step‖ of the difference form at the damping's λ
 
 
 @register_strategy
@@ -307,13 +321,18 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                       hessian_data=None) -> RemovalResult:
         """w₋ = w* − (H_s + λI)⁻¹·g₋ from the final state and the server's data alone (no client is
         contacted), as `options` say (`RemovalOptions`: by default the run's damping, λ = ρ·λ_max(H_s)
-        with λ_max by Lanczos over the same Hessian-vector products CG uses, and the difference form of
-        g₋: federated training stops far from the stationary point the target form assumes, and the
-        retained form left the backdoor in place in every measurement; on the paper's MLP the difference
-        form alone keeps clean accuracy within a point of retraining). `hessian_data`: prepared data to build H from
+        with λ_max by Lanczos over the same Hessian-vector products CG uses, and the auto form of g₋: the
+        difference form where its step fits the trust region, else the retained form; see the module
+        docstring). `hessian_data`: prepared data to build H from
         instead of D_s, for measurement only (the retained clients' data give the step the approximation
         H_s ≈ H₋ stands in for)."""
-        from hf_fedtask.model.newton import GaussNewton, largest_eigenvalue, solve_within_radius
+        from hf_fedtask.model.newton import (
+            GaussNewton,
+            TrustInfo,
+            conjugate_gradient,
+            largest_eigenvalue,
+            solve_within_radius,
+        )
 
         options = options or RemovalOptions()
         if self.phase(state) != DONE:
@@ -341,22 +360,34 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         g_m = state.vectors[gradient_name(client)]
         retained = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
                        w.zeros_like())  # ḡ₋
-        if gradient == "target":
-            g = (g_m + regularizer) * (-n_m / n_rest)
-        elif gradient == "difference":
-            g = (retained - g_m) * (n_m / (n_rest + n_m))
-        else:
-            g = retained + regularizer
+        forms = {"target": lambda: (g_m + regularizer) * (-n_m / n_rest),
+                 "difference": lambda: (retained - g_m) * (n_m / (n_rest + n_m)),
+                 "retained": lambda: retained + regularizer}
         data = self.server_split(env, task)[1] if hessian_data is None else hessian_data
         lambda_max, eigen_iterations = None, 0
+        factor = c.removal_trust_radius if options.trust_radius is None else options.trust_radius
+        if gradient == AUTO and factor == 0:
+            raise ConfigError("f2l2 removal: the auto gradient form picks its form by the trust region, and this "
+                              "run's removal_trust_radius is 0; give trust_radius > 0 or a form (difference, "
+                              "target, retained)")
+        radius = factor * (w - w0).norm()
         with GaussNewton(env.host, w0, data, env.config.eval_batch_size) as hessian:
             if damping == RELATIVE:
                 lambda_max, eigen = largest_eigenvalue(hessian, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations
-            factor = c.removal_trust_radius if options.trust_radius is None else options.trust_radius
-            radius = factor * (w - w0).norm()
-            step, trust = solve_within_radius(hessian, g, damping=lam, radius=radius, iterations=options.iterations,
-                                              tolerance=options.tolerance)
+            solve = dict(iterations=options.iterations, tolerance=options.tolerance)
+            form, difference_step, trust, tried = gradient, None, None, 0
+            if gradient == AUTO:  # the difference form where the server's Hessian vouches for its step, else retained
+                g = forms["difference"]()
+                step, info = conjugate_gradient(hessian, g, damping=lam, **solve)
+                difference_step = step.norm()
+                if difference_step <= radius:
+                    form, trust = "difference", TrustInfo(lam, 1, info)
+                else:
+                    form, tried = "retained", 1
+            if trust is None:
+                g = forms[form]()
+                step, trust = solve_within_radius(hessian, g, damping=lam, radius=radius, **solve)
         untrusted, lam, info = (lam if trust.damping != lam else None), trust.damping, trust.solve
         removed = w - step
         shared = state.vectors[SHARED]
@@ -364,4 +395,5 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                    head_name(task): removed.filter(lambda k: k not in shared)}
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
-                             g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted, trust.solves)
+                             g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
+                             trust.solves + tried, form, difference_step)

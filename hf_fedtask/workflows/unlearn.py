@@ -160,7 +160,7 @@ REMOVED_MODEL = "model.safetensors"
 
 
 def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2: float | None = None,
-                  rho: float | None = None, gradient: str = "difference", iterations: int = 200,
+                  rho: float | None = None, gradient: str = "auto", iterations: int = 200,
                   tolerance: float = 1e-6, trust_radius: float | None = None, sga_epochs: float = 1.0,
                   sga_lr: float = 1e-3,
                   output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
@@ -203,7 +203,8 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         new_state, messages = removal.state, 0
         details = {"l2": removal.l2, "damping": removal.damping, "rho": removal.rho,
                    "lambda_max": removal.lambda_max, "eigen_iterations": removal.eigen_iterations,
-                   "gradient": removal.gradient, "cg_iterations": removal.cg_iterations,
+                   "gradient": removal.gradient, "form": removal.form, "difference_step": removal.difference_step,
+                   "cg_iterations": removal.cg_iterations,
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm,
                    "trust_radius": removal.trust_radius, "untrusted_l2": removal.untrusted_l2,
                    "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state)}
@@ -215,8 +216,13 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         if removal.untrusted_l2 is not None:
             scale = (f", raised from {removal.untrusted_l2:.4g}{scale} until the step fitted the trust region "
                      f"‖step‖ ≤ {removal.trust_radius:.4g} ({removal.solves} solves)")
+        form = f"{removal.form} form of g"
+        if removal.gradient == "auto":
+            fit = "fitted" if removal.form == "difference" else "did not fit"
+            form += (f" (auto: the difference form's step, {removal.difference_step:.4g}, {fit} the trust region "
+                     f"{removal.trust_radius:.4g})")
         how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:.4g}{scale} and the "
-               f"{removal.gradient} form of g, solved by conjugate gradient ({removal.cg_iterations} iterations, "
+               f"{form}, solved by conjugate gradient ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
     else:
         new_state, messages = _gradient_ascent(strategy, state, env, client, sga_epochs, sga_lr), 1
