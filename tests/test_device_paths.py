@@ -256,7 +256,7 @@ def test_gauss_newton_and_data_gradient_on_cuda_equal_the_cpu_ones(full_float32)
     from hf_fedtask.config import RunConfig
     from hf_fedtask.core.state import SHARED
     from hf_fedtask.engine.environment import Environment
-    from hf_fedtask.model.newton import GaussNewton, data_gradient
+    from hf_fedtask.model.newton import GaussNewton, JacobianGaussNewton, data_gradient, hessian
 
     env = Environment(RunConfig(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full",
                                 num_clients=2, strategy="f2l2", seed=0))
@@ -269,12 +269,16 @@ def test_gauss_newton_and_data_gradient_on_cuda_equal_the_cpu_ones(full_float32)
     for device in ("cpu", CUDA):
         env.host.model.to(device)
         gradient, loss = data_gradient(env.host, point + v, point, data, batch_size=10)
-        with GaussNewton(env.host, point, data, batch_size=10) as hessian:
-            hv = hessian(v)
-        results[device] = gradient, loss, hv
-    (g, loss, hv), (g0, loss0, hv0) = results[CUDA], results["cpu"]
+        with GaussNewton(env.host, point, data, batch_size=10) as products:
+            hv = products(v)
+        formed = hessian(env.host, point, data, batch_size=10)
+        assert isinstance(formed, JacobianGaussNewton)
+        with formed as products:
+            jv = products(v)
+        results[device] = gradient, loss, hv, jv
+    (g, loss, hv, jv), (g0, loss0, hv0, jv0) = results[CUDA], results["cpu"]
     assert loss == pytest.approx(loss0, rel=1e-4)
-    for got, want in ((g, g0), (hv, hv0)):
+    for got, want in ((g, g0), (hv, hv0), (jv, jv0), (jv, hv0)):
         for k in want:
             assert got[k].device.type == "cpu" and got[k].dtype == want[k].dtype, k
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)

@@ -29,8 +29,10 @@ from hf_fedtask.errors import ConfigError
 from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.model.newton import (
     GaussNewton,
+    JacobianGaussNewton,
     conjugate_gradient,
     data_gradient,
+    hessian,
     largest_eigenvalue,
     solve_within_radius,
 )
@@ -86,6 +88,45 @@ def test_gauss_newton_products_and_cg_equal_a_direct_solve():
                                              jac @ b)) / lam
     assert info.relative_residual < 1e-5
     torch.testing.assert_close(flat(x), direct, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["mlp", "lora"])
+def test_the_jacobian_hessian_is_the_matrix_free_one(model, tiny_bert_dir, tiny_tasks_dir):
+    """`hessian` forms J (n·C × P) when it fits its byte budget and is matrix-free otherwise; both give the
+    same H·v, on the MLP trained in full and on LoRA + head of a BERT (padded texts of different lengths),
+    and the formed J equals the one built row by row."""
+    if model == "mlp":
+        env = Environment(RunConfig(**DIGITS, num_clients=2, strategy="f2l2"))
+    else:
+        env = Environment(RunConfig(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
+                                    peft_method="lora", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=2,
+                                    max_length=16, min_samples=4))
+    task = env.tasks[0].name
+    gen = torch.Generator().manual_seed(0)
+    start = TaskVector({**env.initial.vectors[SHARED], **env.initial_heads[task]})
+    point = start + TaskVector({k: 0.05 * torch.randn(t.shape, generator=gen) for k, t in start.items()})  # B ≠ 0
+    data = env.test_data(task).select(range(6))
+    v = TaskVector({k: torch.randn(t.shape, generator=gen) for k, t in point.items()})
+    formed, free = hessian(env.host, point, data, batch_size=4), hessian(env.host, point, data, 4, max_bytes=1000)
+    assert isinstance(formed, JacobianGaussNewton) and isinstance(free, GaussNewton)
+    with free as products:
+        want = products(v)
+    with formed as products:
+        got = products(v)
+        with env.host.loaded(point) as live:
+            live.eval()
+            inputs = {k: t for k, t in env.host.inputs.collator([data[i] for i in range(len(data))]).items()
+                      if k != "labels"}
+            rows = _jacobian(live, inputs)  # rows (sample, class), columns in the live parameters' order
+            order = list(env.host.trainable_by_name())
+        sizes = [point[k].numel() for k in order]
+        by_name = dict(zip(order, rows.split(sizes, dim=1)))
+        reference = torch.cat([by_name[k] for k in products.keys], dim=1)  # columns in saved-name order
+        n, classes = len(data), rows.shape[0] // len(data)
+        reordered = reference.reshape(n, classes, -1).transpose(0, 1).reshape(n * classes, -1)  # rows (class, sample)
+        torch.testing.assert_close(products.jacobian, reordered, rtol=1e-4, atol=1e-5)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5 * float(want[k].abs().max()), msg=k)
 
 
 def test_lanczos_finds_the_largest_eigenvalue_of_the_gauss_newton_hessian():

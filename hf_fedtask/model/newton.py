@@ -6,9 +6,14 @@ against one-hot targets summed over classes and averaged over samples (`OneHotMS
     ∇D(w) = (2/n)·Σ_x J(x)ᵀ(f_lin(x; w) − onehot(y))     `data_gradient`
     H·v   = (2/n)·Σ_x J(x)ᵀJ(x)·v                        `gauss_newton_product` (exact: D is quadratic)
 
-H·v costs one forward pass with a jvp (J·v) and one backward pass (Jᵀ·), never the P × P matrix;
-`conjugate_gradient` solves (H + λI)·v = g with these products (`GaussNewton`), and `largest_eigenvalue`
-finds λ_max(H) with them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against. Vectors
+H·v costs one forward pass with a jvp (J·v) and one backward pass (Jᵀ·), never the P × P matrix
+(`GaussNewton`); where the Jacobian itself, n·C × P floats (C outputs), fits `JACOBIAN_BYTES`, it is formed
+once from the per-sample output gradients (`hf_fedtask.model.entk`, C backward passes over the data) and
+every product is two matrix products (`JacobianGaussNewton`): a linear probe or LoRA on a few hundred
+server texts then takes a removal's 30-250 products for about the price of two (`hessian` picks;
+`benchmarks/gauss_newton_bench.py` measures it). `conjugate_gradient` solves (H + λI)·v = g with these
+products, and `largest_eigenvalue` finds λ_max(H) with them (Lanczos), the scale F²L²'s default damping
+λ = ρ·λ_max is set against. Vectors
 are `TaskVector`s of the trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and
 the Hessian-free libraries around are unmaintained. Batches go to the host model's device; the
 vectors returned are CPU tensors.
@@ -97,6 +102,55 @@ class GaussNewton:
                 jv = self.model.tangent_logits(inputs)  # J·v, since the model sits at point + v
                 ((jv ** 2).sum() / self.n).backward()  # gradient (2/n)·Jᵀ(J·v)
         return _gradients(self.host)
+
+
+JACOBIAN_BYTES = 512 << 20  # the largest Jacobian `hessian` forms (float32): LoRA on MiniLM over 320 texts is ~190 MB
+
+
+class JacobianGaussNewton:
+    """v ↦ H·v = (2/n)·Jᵀ(J·v) with J (n·C × P, float32, on the CPU) formed on entering from the model's
+    per-sample output gradients at `point` (`hf_fedtask.model.entk`: one forward and C backward passes
+    per batch); the same operator as `GaussNewton` (J is the linearized model's Jacobian at its point),
+    for `outputs` = C classes. Vectors map to J's columns in the host's saved-name order."""
+
+    def __init__(self, host: PeftHost, point: TaskVector, data: Dataset, outputs: int):
+        self.host, self.point, self.data, self.outputs, self.n = host, point, data, outputs, len(data)
+
+    def __enter__(self) -> JacobianGaussNewton:
+        from hf_fedtask.model.entk import entk_features
+
+        self.keys = self.host.state_keys()
+        self.shapes = [self.point[k].shape for k in self.keys]
+        total = sum(math.prod(shape) for shape in self.shapes)
+        index = torch.arange(total)
+        self.jacobian = torch.cat([entk_features(self.host, self.point, self.data, index, output=c)
+                                   for c in range(self.outputs)])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.jacobian = None
+
+    def __call__(self, v: TaskVector) -> TaskVector:
+        flat = torch.cat([v[k].reshape(-1).float() for k in self.keys])
+        product = self.jacobian.T @ (self.jacobian @ flat) * (2.0 / self.n)
+        return TaskVector({k: part.reshape(shape) for k, part, shape in
+                           zip(self.keys, product.split([math.prod(s) for s in self.shapes]), self.shapes)})
+
+
+def hessian(host: PeftHost, point: TaskVector, data: Dataset, batch_size: int = 512,
+            max_bytes: int = JACOBIAN_BYTES) -> GaussNewton | JacobianGaussNewton:
+    """The Gauss-Newton operator of `data` at `point`, as a context manager: with the Jacobian formed
+    (`JacobianGaussNewton`) when its n·C·P float32 fit `max_bytes`, else matrix-free (`GaussNewton`). C is
+    read from one forward pass of the model at `point`."""
+    total = sum(t.numel() for t in point.values())
+    with host.loaded(point) as model:
+        model.eval()
+        first = next(_batches(host, data.select(range(min(1, len(data)))), 1))[0]
+        with torch.no_grad():
+            outputs = model(**to_device(first, model_device(model))).logits.shape[-1]
+    if len(data) * outputs * total * 4 <= max_bytes:
+        return JacobianGaussNewton(host, point, data, outputs)
+    return GaussNewton(host, point, data, batch_size)
 
 
 def gauss_newton_product(host: PeftHost, point: TaskVector, v: TaskVector, data: Dataset,

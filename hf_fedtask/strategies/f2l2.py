@@ -254,10 +254,10 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             vectors.update(pretrained)
         scalars = {**state.scalars, "phase": LINEAR}
         if c.ridge > 0:
-            from hf_fedtask.model.newton import GaussNewton, largest_eigenvalue
+            from hf_fedtask.model.newton import hessian, largest_eigenvalue
 
-            with GaussNewton(env.host, w0, self.server_split(env, task)[1], env.config.eval_batch_size) as hessian:
-                lambda_max, _ = largest_eigenvalue(hessian, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
+            with hessian(env.host, w0, self.server_split(env, task)[1], env.config.eval_batch_size) as products:
+                lambda_max, _ = largest_eigenvalue(products, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
             scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
         return GlobalState(state.round, {**state.vectors, **vectors}, scalars)
 
@@ -327,9 +327,9 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         instead of D_s, for measurement only (the retained clients' data give the step the approximation
         H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import (
-            GaussNewton,
             TrustInfo,
             conjugate_gradient,
+            hessian,
             largest_eigenvalue,
             solve_within_radius,
         )
@@ -371,15 +371,15 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                               "run's removal_trust_radius is 0; give trust_radius > 0 or a form (difference, "
                               "target, retained)")
         radius = factor * (w - w0).norm()
-        with GaussNewton(env.host, w0, data, env.config.eval_batch_size) as hessian:
+        with hessian(env.host, w0, data, env.config.eval_batch_size) as products:
             if damping == RELATIVE:
-                lambda_max, eigen = largest_eigenvalue(hessian, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
+                lambda_max, eigen = largest_eigenvalue(products, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations
             solve = dict(iterations=options.iterations, tolerance=options.tolerance)
             form, difference_step, trust, tried = gradient, None, None, 0
             if gradient == AUTO:  # the difference form where the server's Hessian vouches for its step, else retained
                 g = forms["difference"]()
-                step, info = conjugate_gradient(hessian, g, damping=lam, **solve)
+                step, info = conjugate_gradient(products, g, damping=lam, **solve)
                 difference_step = step.norm()
                 if difference_step <= radius:
                     form, trust = "difference", TrustInfo(lam, 1, info)
@@ -387,7 +387,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                     form, tried = "retained", 1
             if trust is None:
                 g = forms[form]()
-                step, trust = solve_within_radius(hessian, g, damping=lam, radius=radius, **solve)
+                step, trust = solve_within_radius(products, g, damping=lam, radius=radius, **solve)
         untrusted, lam, info = (lam if trust.damping != lam else None), trust.damping, trust.solve
         removed = w - step
         shared = state.vectors[SHARED]
