@@ -24,6 +24,8 @@ SCRIPTS = {
         "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem")], False),
     "entk_bench.py": ([rf"^RATIO {name} batched/loop samples per second = {NUMBER} " for name in (
         "small-cnn-full/digits", "minilm-lora/vader_polarity")], False),
+    "gauss_newton_bench.py": ([rf"^RATIO {name} matrix-free/jacobian removal time = {NUMBER} " for name in (
+        "minilm-probe", "minilm-lora")], True),
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
                        rf"^RATIO per_task/unified bytes per round = {NUMBER}$"], False),

@@ -169,14 +169,18 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     table = json.loads((out / "f2l2_backdoor.json").read_text())
     rows = table["rows"]
     assert list(rows)[:2] == ["trained", "retrained"] and rows["retrained"]["distance_to_retrain"] == 0
-    (default,) = [name for name in rows if name.startswith("f2l2 (default, ρ=")]
-    assert rows[default]["messages"] == 0 and rows["f2l2 (λ=10 absolute)"]["messages"] == 0
+    (default,) = [name for name in rows if name.startswith("f2l2 (default: auto form, ρ=")]
+    assert rows[default]["messages"] == 0 and rows["f2l2 difference (λ=10 absolute)"]["messages"] == 0
+    assert rows[default]["form"] in ("difference", "retained")
+    assert rows["f2l2 difference (ρ=0.01)"]["form"] == "difference"
     assert rows["SGA"]["messages"] == 1
     assert (rows["FedAvg + negation (1 rounds)"]["messages"] == 3
             and rows["FedAvg trained"]["distance_to_retrain"] is None)
-    decomposition = table["decomposition"]  # the default removal's damping: λ = ρ·λ_max(H_s)
+    decomposition = table["decomposition"]  # the default removal's damping and form: λ = ρ·λ_max(H_s)
+    assert decomposition["form"] == rows[default]["form"]
     assert decomposition["lambda"] == pytest.approx(decomposition["rho"] * decomposition["lambda_max"], rel=1e-6)
-    swept, retained = rows["f2l2 (ρ=0.01)"], rows["f2l2 retained (ρ=0.01)"]  # --forms: the same ρ, another form
+    # --forms: the same ρ, another form
+    swept, retained = rows["f2l2 difference (ρ=0.01)"], rows["f2l2 retained (ρ=0.01)"]
     assert swept["lambda"] == retained["lambda"] == pytest.approx(0.01 * decomposition["lambda_max"], rel=1e-6)
     assert swept["distance_to_retrain"] != retained["distance_to_retrain"]
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()

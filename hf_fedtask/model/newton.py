@@ -7,15 +7,15 @@ against one-hot targets summed over classes and averaged over samples (`OneHotMS
     H·v   = (2/n)·Σ_x J(x)ᵀJ(x)·v                        `gauss_newton_product` (exact: D is quadratic)
 
 H·v costs one forward pass with a jvp (J·v) and one backward pass (Jᵀ·), never the P × P matrix
-(`GaussNewton`); where the Jacobian itself, n·C × P floats (C outputs), fits `JACOBIAN_BYTES`, it is formed
-once from the per-sample output gradients (`hf_fedtask.model.entk`, C backward passes over the data) and
-every product is two matrix products (`JacobianGaussNewton`): a linear probe or LoRA on a few hundred
-server texts then takes a removal's 30-250 products for about the price of two (`hessian` picks;
-`benchmarks/gauss_newton_bench.py` measures it). `conjugate_gradient` solves (H + λI)·v = g with these
-products, and `largest_eigenvalue` finds λ_max(H) with them (Lanczos), the scale F²L²'s default damping
-λ = ρ·λ_max is set against. Vectors
-are `TaskVector`s of the trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and
-the Hessian-free libraries around are unmaintained. Batches go to the host model's device; the
+(`GaussNewton`); where the trainable part is small beside the frozen model and the Jacobian itself, n·C × P
+floats (C outputs), fits `JACOBIAN_BYTES`, it is formed once from the per-sample output gradients
+(`hf_fedtask.model.entk`, C backward passes over the data) and every product is two matrix products
+(`JacobianGaussNewton`): a linear probe or LoRA on a few hundred server texts then takes a removal's 30-250
+products for about the price of two (`hessian` picks; `benchmarks/gauss_newton_bench.py` measures it).
+`conjugate_gradient` solves (H + λI)·v = g with these products, and `largest_eigenvalue` finds λ_max(H) with
+them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against. Vectors are `TaskVector`s of
+the trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and the
+Hessian-free libraries around are unmaintained. Batches go to the host model's device; the
 vectors returned are CPU tensors.
 """
 
@@ -140,15 +140,19 @@ class JacobianGaussNewton:
 def hessian(host: PeftHost, point: TaskVector, data: Dataset, batch_size: int = 512,
             max_bytes: int = JACOBIAN_BYTES) -> GaussNewton | JacobianGaussNewton:
     """The Gauss-Newton operator of `data` at `point`, as a context manager: with the Jacobian formed
-    (`JacobianGaussNewton`) when its n·C·P float32 fit `max_bytes`, else matrix-free (`GaussNewton`). C is
-    read from one forward pass of the model at `point`."""
-    total = sum(t.numel() for t in point.values())
+    (`JacobianGaussNewton`) when it pays and fits, else matrix-free (`GaussNewton`). It pays when the C·P
+    trainable outputs' derivatives are at most half the model's parameter count N: a product through J
+    costs 2·C·P multiply-adds per sample, a matrix-free one at least a forward pass, ≥ N (a probe or LoRA on
+    a frozen encoder: C·P ≪ N; a model trained in full: C·P = C·N, and the jvp is cheaper). It fits when its
+    n·C·P float32 are at most `max_bytes`. C is read from one forward pass of the model at `point`."""
+    trainable = sum(t.numel() for t in point.values())
     with host.loaded(point) as model:
         model.eval()
         first = next(_batches(host, data.select(range(min(1, len(data)))), 1))[0]
         with torch.no_grad():
             outputs = model(**to_device(first, model_device(model))).logits.shape[-1]
-    if len(data) * outputs * total * 4 <= max_bytes:
+        parameters = sum(p.numel() for p in model.parameters())
+    if 2 * outputs * trainable <= parameters and len(data) * outputs * trainable * 4 <= max_bytes:
         return JacobianGaussNewton(host, point, data, outputs)
     return GaussNewton(host, point, data, batch_size)
 

@@ -13,8 +13,9 @@ training, then certified removal of a client by one Newton step computed on the 
                      final model, and n_k (the paper's last-round upload)
     removal          `remove_client`: w₋ = w* − (H_s + λI)⁻¹·g₋, H_s the Gauss-Newton Hessian of
                      the linearized model on D_s (or its `hessian_holdout` share; exact: the loss is
-                     quadratic), solved matrix-free by
-                     conjugate gradient (`hf_fedtask.model.newton`), with λ = ρ·λ_max(H_s) by default
+                     quadratic), solved by conjugate gradient over Hessian-vector products
+                     (`hf_fedtask.model.newton`: through the Jacobian, formed once, where it fits in
+                     memory, else matrix-free), with λ = ρ·λ_max(H_s) by default
                      (`removal_damping`): a damping relative to the Hessian's own scale, so one ρ serves
                      a full MLP, LoRA and a linear probe, whose curvatures differ by orders of magnitude;
                      or λ = l2 + λ_r (`objective`), the exact Newton step of the trained objective;
