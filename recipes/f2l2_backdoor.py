@@ -19,7 +19,8 @@ test images of the other classes, BSR on the client's poisoned training set as t
 measures it, the gaps to retraining, ‖w − w_retrain‖, the form of the gradient and the damping λ used,
 removal time over one training round's and over the retraining's training rounds, and client messages), the split of the
 distance to retraining into the Hessian approximation's share (the same step with the retained
-clients' own Hessian, which only a simulation can compute) and the rest, `f2l2_backdoor.json` and
+clients' own Hessian, which only a simulation can compute, also evaluated as the table's last row) and the
+rest, `f2l2_backdoor.json` and
 `f2l2_backdoor.png`. Finished runs in `<output_dir>` are reused: the removals alone take seconds.
 """
 
@@ -196,6 +197,10 @@ def main(argv=None) -> int:
         raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0)
         oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
         default = env.strategy.remove_client(trained.state, env, target, raw)
+        evals = Server(env).evaluate(oracle.state)[task]  # what F²L² would do with the right Hessian
+        rows["f2l2 default form and damping, the retained clients' own Hessian (simulation only)"] = {
+            "ta": evals["accuracy"], "bsr": evals[BSR], "bsr_train": poisoned_bsr(env, oracle.state, target, task),
+            "w": model_of(oracle.state, task), "form": oracle.form, "lambda": oracle.l2}
         decomposition = {"form": default.form, "lambda": default.l2, "lambda_max": default.lambda_max,
                          "rho": default.rho,
                          "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),

@@ -38,7 +38,7 @@ def test_f2l2_mnist_script_quick(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "f2l2_mnist.json").read_text())
     assert report["exit"] == 0 and report["task"] in ("fashion_mnist", "digits") and report["data"]
     rows = report["table"]["rows"]
-    assert {"trained", "retrained", "f2l2 (λ=10 absolute)"} <= set(rows)
+    assert {"trained", "retrained", "f2l2 difference (λ=10 absolute)"} <= set(rows)
     default = next(name for name in rows if name.startswith("f2l2 (default"))
     assert rows[default]["messages"] == 0 and rows[default]["lambda"] > 0
 

@@ -178,6 +178,9 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
             and rows["FedAvg trained"]["distance_to_retrain"] is None)
     decomposition = table["decomposition"]  # the default removal's damping and form: λ = ρ·λ_max(H_s)
     assert decomposition["form"] == rows[default]["form"]
+    (oracle,) = [name for name in rows if name.endswith("the retained clients' own Hessian (simulation only)")]
+    assert rows[oracle]["form"] == rows[default]["form"] and rows[oracle]["distance_to_retrain"] == pytest.approx(
+        decomposition["exact_step_to_retrain"], rel=1e-6)
     assert decomposition["lambda"] == pytest.approx(decomposition["rho"] * decomposition["lambda_max"], rel=1e-6)
     # --forms: the same ρ, another form
     swept, retained = rows["f2l2 difference (ρ=0.01)"], rows["f2l2 retained (ρ=0.01)"]
