@@ -119,10 +119,9 @@ class JacobianGaussNewton:
     def __enter__(self) -> JacobianGaussNewton:
         from hf_fedtask.model.entk import entk_features
 
-        self.keys = self.host.state_keys()
-        self.shapes = [self.point[k].shape for k in self.keys]
-        total = sum(math.prod(shape) for shape in self.shapes)
-        index = torch.arange(total)
+        self.keys = self.host.state_keys()  # J's column order
+        self.shapes = {k: self.point[k].shape for k in self.keys}
+        index = torch.arange(sum(math.prod(shape) for shape in self.shapes.values()))
         self.jacobian = torch.cat([entk_features(self.host, self.point, self.data, index, output=c)
                                    for c in range(self.outputs)])
         return self
@@ -131,10 +130,8 @@ class JacobianGaussNewton:
         self.jacobian = None
 
     def __call__(self, v: TaskVector) -> TaskVector:
-        flat = torch.cat([v[k].reshape(-1).float() for k in self.keys])
-        product = self.jacobian.T @ (self.jacobian @ flat) * (2.0 / self.n)
-        return TaskVector({k: part.reshape(shape) for k, part, shape in
-                           zip(self.keys, product.split([math.prod(s) for s in self.shapes]), self.shapes)})
+        flat = TaskVector({k: v[k] for k in self.keys}).flatten().float()
+        return TaskVector.unflatten(self.jacobian.T @ (self.jacobian @ flat) * (2.0 / self.n), self.shapes)
 
 
 def hessian(host: PeftHost, point: TaskVector, data: Dataset, batch_size: int = 512,
