@@ -155,6 +155,11 @@ class RunConfig:
     generation_eval: bool = option(False, "causal LM: also score each task's greedy answers by exact match with its "
                                    "label word, once at the end (results.json's exact_match)")
     seed: int = option(0, "seed of the partition, the PEFT init, sampling and local training", minimum=0)
+    training_seed: int | None = option(None, "seed of the clients' local training alone (batch order, dropout; "
+                                       "default: `seed`): another value repeats a run on the same partition, "
+                                       "initialization and server data in another training order, which measures "
+                                       "a result's run-to-run spread (as transformers' data_seed does for a "
+                                       "Trainer)", minimum=0)
     report_to: list[str] = option([], "Accelerate trackers to log each round's metrics to, e.g. tensorboard wandb "
                                   "(logs under OUTPUT_DIR/logs)")
     export: bool = option(True, "write each task's PEFT adapter (and the strategy's exports) when the run ends")
@@ -230,6 +235,11 @@ class RunConfig:
         defaults = {**RunConfig().flat(), **dataclasses.asdict(strategy_config_class(self.strategy)())}
         d = {k: v for k, v in self.flat().items() if k not in self.RESUMABLE_CHANGES and v != defaults.get(k)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def local_training_seed(self) -> int:
+        """The seed the clients' local training draws from: `training_seed`, else `seed`."""
+        return self.seed if self.training_seed is None else self.training_seed
 
     def same_run(self, other: RunConfig) -> bool:
         """True when `other` would produce the same result (it may differ in RESUMABLE_CHANGES)."""

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Crash, assert_stock_reload_matches, crash_after
+from conftest import Crash, assert_stock_reload_matches, crash_after, tensors_equal
 from safetensors.torch import load_file
 
 from hf_fedtask.cli import main
@@ -76,6 +76,29 @@ def test_killed_and_resumed_run_equals_uninterrupted_bit_for_bit(tiny_config, tm
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda p: [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in p.read_text().splitlines()]  # noqa: E731
     assert strip(Path(straight.output_dir) / "metrics.jsonl") == strip(Path(tiny_config.output_dir) / "metrics.jsonl")
+
+
+def test_training_seed_changes_the_training_order_alone(tiny_config, tmp_path):
+    """`training_seed` reorders the clients' local training and nothing else: the same partition and
+    initialization, another final model; equal to `seed` it is the plain run, bit for bit; and it makes
+    another run (the fingerprint), so a resume cannot mix two orders."""
+    from hf_fedtask.engine.environment import Environment
+
+    runs = {}
+    for name, training_seed in {"plain": None, "same": tiny_config.seed, "other": tiny_config.seed + 1}.items():
+        config = RunConfig(**{**tiny_config.to_dict(), "training_seed": training_seed,
+                              "output_dir": str(tmp_path / name)})
+        federation.run(config)
+        runs[name] = (config, load_file(tmp_path / name / "checkpoint.safetensors"))
+    (plain, a), (same, b), (other, c) = runs.values()
+    assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    first, second = Environment(plain), Environment(other)
+    assert all(first.partition[k][t].to_dict() == second.partition[k][t].to_dict()
+               for k in range(plain.num_clients) for t in first.partition[k])
+    start, again = first.initial_state().vectors, second.initial_state().vectors
+    assert start.keys() == again.keys() and all(tensors_equal(start[k], again[k]) for k in start)
+    assert plain.fingerprint() != other.fingerprint()
 
 
 def test_nan_update_is_rejected_naming_the_client_and_nothing_is_written(tiny_config, monkeypatch):

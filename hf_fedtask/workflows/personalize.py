@@ -44,7 +44,7 @@ def fine_tune_locally(env: Environment, state: GlobalState, *, local_epochs: flo
     scores: dict[str, list[float]] = {t.name: [] for t in env.tasks}
     for cid in range(env.num_clients):
         data = env.client_data(cid)
-        job = ClientJob(client_id=cid, round=state.round + 1, data=data, seed=env.config.seed)
+        job = ClientJob(client_id=cid, round=state.round + 1, data=data, seed=env.config.local_training_seed)
         for name in job.tasks:
             start = env.strategy.task_parameters(state, name, stores)
             trained, _ = trainer.train(start, data[name], seed=job.seed_for(name))

@@ -261,7 +261,7 @@ def _gradient_ascent(strategy, state, env, client: int, epochs: float, lr: float
     point = strategy.linearization_point(state, task) if strategy.capabilities.linearized else None
     args = dataclasses.replace(env.trainer.args, local_epochs=epochs, local_steps=-1, learning_rate=lr,
                                optimizer="sgd", lr_scheduler="constant", warmup_steps=0, weight_decay=0.0)
-    trained, _ = LocalTrainer(env.host, args).train(w, data[task], seed=env.config.seed,
+    trained, _ = LocalTrainer(env.host, args).train(w, data[task], seed=env.config.local_training_seed,
                                                     objectives=[GradientAscent(OneHotMSE())], linearize_at=point)
     shared = state.vectors[SHARED]
     vectors = {SHARED: trained.filter(lambda k: k in shared),
