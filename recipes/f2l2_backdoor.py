@@ -4,11 +4,14 @@ on the server alone, against retraining without it and the baselines.
     apt-get install dataset-fashion-mnist          # the data, offline (or the Hub copy, online)
     python recipes/f2l2_backdoor.py                # Fashion-MNIST, the paper's MLP, 3 IID clients, 9,000 images
     python recipes/f2l2_backdoor.py --tasks digits --backdoor-trigger 3 --num-clients 3 --rounds 11 --local-epochs 3
+    python recipes/f2l2_backdoor.py --seeds 0 1 2 --output-dir runs/f2l2_mlp_seeds  # a protocol per seed, their mean
 
 Client 0's training data all carry a white square at the bottom right (`--backdoor-trigger` pixels)
 and label 0. Three clients, because with 5 (30 rounds, 1 local epoch) the backdoor plateaued at BSR ≈
 50%. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the linearized MLP, the
-last round collects each client's gradient) and `retrained` (the same without client 0). Removals of
+last round collects each client's gradient) and `retrained` (the same without client 0; with
+`--retrain-orders` k, k more retrainings in other training orders, `training_seed`, on the same partition
+and w₀: retraining's own run-to-run spread, the yardstick for the removal's gaps). Removals of
 client 0 from `trained`: F²L² with its defaults (damping λ = ρ·λ_max(H_s), the auto form of the gradient
 inside the trust region), the difference form with and without the region, with the other ρ of `--rhos`,
 with an absolute λ = 10 (`--l2s`), with the target and retained forms of the gradient (swept over
@@ -21,7 +24,10 @@ removal time over one training round's and over the retraining's training rounds
 distance to retraining into the Hessian approximation's share (the same step with the retained
 clients' own Hessian, which only a simulation can compute, also evaluated as the table's last row) and the
 rest, `f2l2_backdoor.json` and
-`f2l2_backdoor.png`. Finished runs in `<output_dir>` are reused: the removals alone take seconds.
+`f2l2_backdoor.png`. Finished runs in `<output_dir>` are reused: the removals alone take seconds. With
+`--seeds`, each seed's protocol (its own partition, pretraining and training) goes to
+`<output_dir>/seed_<s>/`, and `<output_dir>/f2l2_backdoor.md` holds each row's mean ± std over the seeds and
+on how many seeds it is within the goal (TA within 1 point and BSR within 2 of that seed's retraining).
 """
 
 import json
@@ -45,7 +51,7 @@ from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
 from hf_fedtask.engine.run import run  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run, read_history  # noqa: E402
 from hf_fedtask.engine.server import Server  # noqa: E402
-from hf_fedtask.errors import FedTaskError  # noqa: E402
+from hf_fedtask.errors import ConfigError, FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.strategies.f2l2 import RemovalOptions  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
@@ -137,78 +143,82 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
     return rows
 
 
-def main(argv=None) -> int:
-    parser = recipe_parser(__doc__.splitlines()[0], {})
-    parser.add_argument("--negation-rounds", type=int, default=5,
-                        help="baseline: rounds of federated negation after a FedAvg run on the same data (0: skip)")
-    parser.add_argument("--rhos", type=float, nargs="*", default=list(RHOS),
-                        help="F²L² removals with λ = ρ·λ_max(H_s) for these ρ besides the run's default")
-    parser.add_argument("--l2s", type=float, nargs="*", default=list(L2S),
-                        help="F²L² removals with these absolute λ (the former default: 10)")
-    parser.add_argument("--forms", nargs="*", choices=["target", "retained"], default=[],
-                        help="gradient forms to sweep over --rhos as well (the default form always is)")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    try:
-        base = recipe_config(args, DEFAULTS, {})
-        out = Path(base.output_dir)
-        target = base.backdoor_client
-        configs = {"trained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "trained")},
-                                                  source="recipe"),
-                   "retrained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "retrained"),
-                                                     "exclude_clients": [target]}, source="recipe")}
-        for config in configs.values():
-            finished_results(config) or run(
-                config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
-        trained, retrained = open_finished_run(out / "trained"), open_finished_run(out / "retrained")
-        env, task = trained.env, trained.env.tasks[0].name
-        rows = {}
-        for name, (state, extra) in {"trained": (trained.state, {}), "retrained": (retrained.state, {})}.items():
-            evals = Server(env).evaluate(state)[task]
-            rows[name] = {"ta": evals["accuracy"], "bsr": evals[BSR],
-                          "bsr_train": poisoned_bsr(env, state, target, task), "w": model_of(state, task), **extra}
-        round_s = statistics.median(r["seconds"] for r in trained.history if r.get("kind", "train") == "train")
-        # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
-        # each round's evaluation is included, as it is in one round's time above)
-        retrain_s = sum(r["seconds"] for r in retrained.history if r.get("kind", "train") == "train")
-        plan = removals(env.strategy.config, args.rhos, args.l2s, args.forms)
-        for name, options in plan.items():
-            folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
-            results = remove_client(out / "trained", target, output_dir=folder, overwrite=True, **options)
-            u = results["unlearning"]
-            w = TaskVector.load(folder / REMOVED_MODEL)
-            removed_state = trained.state.next({SHARED: w.filter(lambda k: k in trained.state.vectors[SHARED]),
-                                                head_name(task): w.filter(
-                                                    lambda k: k not in trained.state.vectors[SHARED])})
-            rows[name] = {"ta": u["after"][task]["accuracy"], "bsr": u["after"][task][BSR],
-                          "bsr_train": poisoned_bsr(env, removed_state, target, task), "w": w,
-                          "seconds": u["seconds"], "messages": u["client_messages"], "form": u.get("form"),
-                          "residual": u.get("relative_residual"), "lambda": u.get("l2"),
-                          "lambda_max": u.get("lambda_max"), "rho": u.get("rho"),
-                          "cg_iterations": u.get("cg_iterations"), "eigen_iterations": u.get("eigen_iterations")}
-        if args.negation_rounds:
-            rows.update(negation_rows(base, out, target, task, args.negation_rounds))
-        # the bound's two error terms, measured: the same step with the retained clients' own Hessian H₋
-        # (which the server does not have) against F²L²'s H_s, and that step against retraining
-        retained = [k for k in range(env.num_clients) if k != target]
-        retained_data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
-                                          env.task_by_name[task])
-        # both at the default damping as it is, in the form the default removal took: the Hessians' gap alone
-        raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0)
-        oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
-        default = env.strategy.remove_client(trained.state, env, target, raw)
-        evals = Server(env).evaluate(oracle.state)[task]  # what F²L² would do with the right Hessian
-        rows["f2l2 default form and damping, the retained clients' own Hessian (simulation only)"] = {
-            "ta": evals["accuracy"], "bsr": evals[BSR], "bsr_train": poisoned_bsr(env, oracle.state, target, task),
-            "w": model_of(oracle.state, task), "form": oracle.form, "lambda": oracle.l2}
-        decomposition = {"form": default.form, "lambda": default.l2, "lambda_max": default.lambda_max,
-                         "rho": default.rho,
-                         "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
-                         "exact_step_to_retrain": (model_of(oracle.state, task) - rows["retrained"]["w"]).norm(),
-                         "f2l2_to_retrain": (model_of(default.state, task) - rows["retrained"]["w"]).norm()}
-    except FedTaskError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+GOAL_TA, GOAL_BSR = 1.0, 2.0  # points: the removal's target window around retraining (TA, BSR)
+DEFAULT_ROW = "f2l2 (default"  # the row of F²L²'s defaults starts so
+ORDER_STRIDE = 10_000  # training_seed of a retraining's order j: seed + j·ORDER_STRIDE (clear of other seeds)
+
+
+def within_goal(row: dict, reference: dict) -> bool:
+    """|ΔTA| ≤ 1 and |ΔBSR| ≤ 2 points against `reference` (a retraining)."""
+    return (abs(100 * (row["ta"] - reference["ta"])) <= GOAL_TA
+            and abs(100 * (row["bsr"] - reference["bsr"])) <= GOAL_BSR)
+
+
+def evaluated(env, state, target: int, task: str, **extra) -> dict:
+    """A table row's measurements of `state`: TA, BSR on the triggered test set and on the client's poisoned set."""
+    evals = Server(env).evaluate(state)[task]
+    return {"ta": evals["accuracy"], "bsr": evals[BSR], "bsr_train": poisoned_bsr(env, state, target, task), **extra}
+
+
+def protocol(base: RunConfig, args) -> dict:
+    """One seed's protocol in `base.output_dir`: the runs (reused when finished), the removals, the table
+    (`f2l2_backdoor.md`, `.json`, `.png`); returns what the JSON holds."""
+    out = Path(base.output_dir)
+    target = base.backdoor_client
+    configs = {"trained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "trained")},
+                                              source="recipe"),
+               "retrained": RunConfig.from_dict({**base.to_dict(), "output_dir": str(out / "retrained"),
+                                                 "exclude_clients": [target]}, source="recipe")}
+    for j in range(1, args.retrain_orders + 1):  # the same retraining in other training orders: its own spread
+        configs[f"retrained, training order {j + 1}"] = RunConfig.from_dict(
+            {**base.to_dict(), "output_dir": str(out / f"retrained_order{j + 1}"), "exclude_clients": [target],
+             "training_seed": base.seed + j * ORDER_STRIDE}, source="recipe")
+    for config in configs.values():
+        finished_results(config) or run(config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
+    finished = {name: open_finished_run(config.output_dir) for name, config in configs.items()}
+    trained, retrained = finished["trained"], finished["retrained"]
+    env, task = trained.env, trained.env.tasks[0].name
+    rows = {name: evaluated(env, run_.state, target, task, w=model_of(run_.state, task))
+            for name, run_ in finished.items()}
+    orders = [name for name in rows if name.startswith("retrained")]
+    rows = {name: rows[name] for name in ["trained", *orders]}
+    round_s = statistics.median(r["seconds"] for r in trained.history if r.get("kind", "train") == "train")
+    # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
+    # each round's evaluation is included, as it is in one round's time above)
+    retrain_s = sum(r["seconds"] for r in retrained.history if r.get("kind", "train") == "train")
+    plan = removals(env.strategy.config, args.rhos, args.l2s, args.forms)
+    for name, options in plan.items():
+        folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
+        results = remove_client(out / "trained", target, output_dir=folder, overwrite=True, **options)
+        u = results["unlearning"]
+        w = TaskVector.load(folder / REMOVED_MODEL)
+        removed_state = trained.state.next({SHARED: w.filter(lambda k: k in trained.state.vectors[SHARED]),
+                                            head_name(task): w.filter(
+                                                lambda k: k not in trained.state.vectors[SHARED])})
+        rows[name] = {"ta": u["after"][task]["accuracy"], "bsr": u["after"][task][BSR],
+                      "bsr_train": poisoned_bsr(env, removed_state, target, task), "w": w,
+                      "seconds": u["seconds"], "messages": u["client_messages"], "form": u.get("form"),
+                      "residual": u.get("relative_residual"), "lambda": u.get("l2"),
+                      "lambda_max": u.get("lambda_max"), "rho": u.get("rho"),
+                      "cg_iterations": u.get("cg_iterations"), "eigen_iterations": u.get("eigen_iterations")}
+    if args.negation_rounds:
+        rows.update(negation_rows(base, out, target, task, args.negation_rounds))
+    # the bound's two error terms, measured: the same step with the retained clients' own Hessian H₋
+    # (which the server does not have) against F²L²'s H_s, and that step against retraining
+    retained = [k for k in range(env.num_clients) if k != target]
+    retained_data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
+                                      env.task_by_name[task])
+    # both at the default damping as it is, in the form the default removal took: the Hessians' gap alone
+    raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0)
+    oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
+    default = env.strategy.remove_client(trained.state, env, target, raw)
+    rows["f2l2 default form and damping, the retained clients' own Hessian (simulation only)"] = evaluated(
+        env, oracle.state, target, task, w=model_of(oracle.state, task), form=oracle.form, **{"lambda": oracle.l2})
+    decomposition = {"form": default.form, "lambda": default.l2, "lambda_max": default.lambda_max,
+                     "rho": default.rho,
+                     "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
+                     "exact_step_to_retrain": (model_of(oracle.state, task) - rows["retrained"]["w"]).norm(),
+                     "f2l2_to_retrain": (model_of(default.state, task) - rows["retrained"]["w"]).norm()}
     ref = rows["retrained"]
     lambda_max = next((f"{r['lambda_max']:.4g}" for r in rows.values() if r.get("lambda_max")), "not computed")
     trigger = (f"{base.backdoor_trigger}×{base.backdoor_trigger} white square" if env.host.inputs.modality == "image"
@@ -218,8 +228,8 @@ def main(argv=None) -> int:
              f"{lam_r:.4g}" if lam_r else "")
     lines = [f"**{task}, {base.num_clients} IID clients (client {target} backdoored: {trigger}, label "
              f"{base.backdoor_target}), {base.base_model} ({base.peft_method}) linearized at the server's pretrained "
-             f"w₀, {base.rounds - 1} training rounds + the gradient round; one training round {round_s:.2f} s, "
-             f"retraining's training rounds {retrain_s:.1f} s; λ_max(H_s) = {lambda_max}{ridge}**", "",
+             f"w₀, {base.rounds - 1} training rounds + the gradient round, seed {base.seed}; one training round "
+             f"{round_s:.2f} s, retraining's training rounds {retrain_s:.1f} s; λ_max(H_s) = {lambda_max}{ridge}**", "",
              "| model | TA % | BSR % (test) | BSR % (client's poisoned set) | ΔTA to retrain | ΔBSR to retrain "
              "| ‖w − w_retrain‖ | form of g | λ | removal time / round | removal time / retraining | client messages |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -238,27 +248,128 @@ def main(argv=None) -> int:
               f"slice instead of the retained clients' H₋), ‖w_exact − w_retrain‖ = "
               f"{d['exact_step_to_retrain']:.3f} is the rest "
               f"(training not at its optimum, the damping λ); ‖w_F²L² − w_retrain‖ = {d['f2l2_to_retrain']:.3f}."]
+    (default_name,) = [name for name in rows if name.startswith(DEFAULT_ROW)]
+    spread = {"ta": [100 * rows[n]["ta"] for n in orders], "bsr": [100 * rows[n]["bsr"] for n in orders]}
+    met = [within_goal(rows[default_name], rows[n]) for n in orders]
+    if len(orders) > 1:
+        lines += ["", f"Retraining's own spread over {len(orders)} training orders (`training_seed`; the same "
+                  f"partition, w₀ and server data): TA {min(spread['ta']):.1f}-{max(spread['ta']):.1f} (std "
+                  f"{statistics.stdev(spread['ta']):.2f}), BSR {min(spread['bsr']):.1f}-{max(spread['bsr']):.1f}. "
+                  f"The default removal is within {GOAL_TA:g} point of TA and {GOAL_BSR:g} of BSR of {sum(met)} of "
+                  f"them; of the first, {'yes' if met[0] else 'no'}."]
     text = "\n".join(lines) + "\n"
     write_atomic(out / "f2l2_backdoor.md", text)
     table = {name: {k: v for k, v in r.items() if k != "w"}
              | {"distance_to_retrain": (r["w"] - ref["w"]).norm() if r["w"] is not None else None}
              for name, r in rows.items()}
-    write_atomic(out / "f2l2_backdoor.json", json.dumps({"round_seconds": round_s, "retrain_seconds": retrain_s,
-                                                        "rows": table,
-                                                        "decomposition": decomposition}, indent=1) + "\n")
+    report = {"seed": base.seed, "round_seconds": round_s, "retrain_seconds": retrain_s, "rows": table,
+              "decomposition": decomposition, "retraining_orders": orders, "default_row": default_name,
+              "default_within_goal": met}
+    write_atomic(out / "f2l2_backdoor.json", json.dumps(report, indent=1) + "\n")
+    bar_plot({name: (r["ta"], r["bsr"]) for name, r in rows.items()}, out / "f2l2_backdoor.png")
+    print(text)
+    return report
+
+
+def bar_plot(values: dict[str, tuple[float, float]], path: Path, errors: dict | None = None) -> None:
+    """TA and BSR per row (`errors`: their standard deviations over seeds), as bars."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.6))
-    names = list(rows)
+    names = list(values)
     x = np.arange(len(names))
-    ax.bar(x - 0.2, [100 * rows[n]["ta"] for n in names], 0.4, label="TA (clean test accuracy)")
-    ax.bar(x + 0.2, [100 * rows[n]["bsr"] for n in names], 0.4, label="BSR (backdoor success)")
+    for i, (offset, label) in enumerate([(-0.2, "TA (clean test accuracy)"), (0.2, "BSR (backdoor success)")]):
+        ax.bar(x + offset, [100 * values[n][i] for n in names], 0.4, label=label,
+               yerr=None if errors is None else [100 * errors[n][i] for n in names])
     ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("%")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "f2l2_backdoor.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    print(text)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def across_seeds(reports: list[dict], out: Path) -> str:
+    """The seeds' tables in one (`<output_dir>/f2l2_backdoor.md`, `.json`, `.png`): each row's mean ± std over
+    the seeds, its gaps to each seed's (first) retraining, and on how many seeds it is within the goal."""
+    names = [name for name in reports[0]["rows"] if all(name in r["rows"] for r in reports)]
+    lines = [f"**F²L²'s backdoor protocol over {len(reports)} seeds ({', '.join(str(r['seed']) for r in reports)}; "
+             f"each seed its own partition, pretraining and training); mean ± std over the seeds**", "",
+             "| model | TA % | BSR % (test) | ΔTA to retrain | ΔBSR to retrain | within the goal (seeds) "
+             "| removal time / retraining |", "|---|---|---|---|---|---|---|"]
+    summary = {}
+    for name in names:
+        rows = [r["rows"][name] for r in reports]
+        refs = [r["rows"]["retrained"] for r in reports]
+        ta, bsr = mean_std([100 * x["ta"] for x in rows]), mean_std([100 * x["bsr"] for x in rows])
+        dta = mean_std([100 * (x["ta"] - y["ta"]) for x, y in zip(rows, refs)])
+        dbsr = mean_std([100 * (x["bsr"] - y["bsr"]) for x, y in zip(rows, refs)])
+        met = sum(within_goal(x, y) for x, y in zip(rows, refs))
+        share = ([x["seconds"] / r["retrain_seconds"] for x, r in zip(rows, reports)] if "seconds" in rows[0]
+                 else None)
+        summary[name] = {"ta": ta, "bsr": bsr, "delta_ta": dta, "delta_bsr": dbsr, "within_goal": met,
+                         "removal_over_retraining": share}
+        lines.append(f"| {name} | {ta[0]:.1f} ± {ta[1]:.1f} | {bsr[0]:.1f} ± {bsr[1]:.1f} | {dta[0]:+.1f} ± "
+                     f"{dta[1]:.1f} | {dbsr[0]:+.1f} ± {dbsr[1]:.1f} | {met} of {len(reports)} | "
+                     + (f"{min(share):.3f}-{max(share):.3f}" if share else "-") + " |")
+    goal = (f"The goal: TA within {GOAL_TA:g} point and BSR within {GOAL_BSR:g} points of the same seed's "
+            f"retraining.")
+    orders = [r for r in reports if len(r["retraining_orders"]) > 1]
+    if orders:
+        spreads = [statistics.stdev([100 * r["rows"][n]["ta"] for n in r["retraining_orders"]]) for r in orders]
+        within = ", ".join(f"{sum(r['default_within_goal'])} of {len(r['default_within_goal'])}" for r in orders)
+        goal += (f" Retraining's own TA spread over its training orders (std within a seed): "
+                 f"{', '.join(f'{s:.2f}' for s in spreads)}; the default removal is within the goal of {within} "
+                 f"of them.")
+    text = "\n".join(lines + ["", goal]) + "\n"
+    write_atomic(out / "f2l2_backdoor.md", text)
+    write_atomic(out / "f2l2_backdoor.json", json.dumps({"seeds": [r["seed"] for r in reports], "rows": summary,
+                                                        "per_seed": reports}, indent=1) + "\n")
+    bar_plot({n: (s["ta"][0] / 100, s["bsr"][0] / 100) for n, s in summary.items()}, out / "f2l2_backdoor.png",
+             errors={n: (s["ta"][1] / 100, s["bsr"][1] / 100) for n, s in summary.items()})
+    return text
+
+
+def main(argv=None) -> int:
+    parser = recipe_parser(__doc__.splitlines()[0], {})
+    parser.add_argument("--negation-rounds", type=int, default=5,
+                        help="baseline: rounds of federated negation after a FedAvg run on the same data (0: skip)")
+    parser.add_argument("--rhos", type=float, nargs="*", default=list(RHOS),
+                        help="F²L² removals with λ = ρ·λ_max(H_s) for these ρ besides the run's default")
+    parser.add_argument("--l2s", type=float, nargs="*", default=list(L2S),
+                        help="F²L² removals with these absolute λ (the former default: 10)")
+    parser.add_argument("--forms", nargs="*", choices=["target", "retained"], default=[],
+                        help="gradient forms to sweep over --rhos as well (the default form always is)")
+    parser.add_argument("--retrain-orders", type=int, default=2,
+                        help="more retrainings in other training orders (`training_seed`), which measure "
+                        "retraining's own spread (0: none)")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="run the protocol once per seed, each in <output_dir>/seed_<s>, and tabulate the "
+                        "seeds' mean ± std in <output_dir> (default: --seed alone, in <output_dir>)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        if args.retrain_orders < 0:
+            raise ConfigError(f"--retrain-orders must be >= 0, got {args.retrain_orders}")
+        if args.seeds is not None and args.seed is not None:
+            raise ConfigError("give --seed (one protocol) or --seeds (several), not both")
+        if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+            raise ConfigError(f"--seeds repeats a seed: {' '.join(map(str, args.seeds))}")
+        base = recipe_config(args, DEFAULTS, {})
+        if args.seeds is None:
+            protocol(base, args)
+        else:
+            out = Path(base.output_dir)
+            reports = [protocol(RunConfig.from_dict({**base.to_dict(), "seed": seed,
+                                                     "output_dir": str(out / f"seed_{seed}")}, source="recipe"),
+                                args) for seed in args.seeds]
+            print(across_seeds(reports, out))
+    except FedTaskError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(resource_report(time.perf_counter() - start))
     return 0
 

@@ -164,11 +164,18 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     and one (SGA) client messages, the distance split, the plot."""
     out = tmp_path / "f2l2"
     flags = ["--tasks", "digits", "--backdoor-trigger", "3", "--rounds", "3", "--local-epochs", "1",
-             "--negation-rounds", "1", "--rhos", "0.01", "--forms", "retained", "--output-dir", str(out)]
+             "--negation-rounds", "1", "--rhos", "0.01", "--forms", "retained", "--retrain-orders", "1",
+             "--output-dir", str(out)]
     assert load_recipe("f2l2_backdoor").main(flags) == 0
     table = json.loads((out / "f2l2_backdoor.json").read_text())
     rows = table["rows"]
-    assert list(rows)[:2] == ["trained", "retrained"] and rows["retrained"]["distance_to_retrain"] == 0
+    assert list(rows)[:3] == ["trained", "retrained", "retrained, training order 2"]
+    assert rows["retrained"]["distance_to_retrain"] == 0 and rows["retrained, training order 2"]["distance_to_retrain"] > 0
+    assert table["retraining_orders"] == ["retrained", "retrained, training order 2"]
+    assert table["default_within_goal"] == [abs(rows[table["default_row"]]["ta"] - rows[n]["ta"]) <= 0.01
+                                            and abs(rows[table["default_row"]]["bsr"] - rows[n]["bsr"]) <= 0.02
+                                            for n in table["retraining_orders"]]
+    assert "Retraining's own spread over 2 training orders" in (out / "f2l2_backdoor.md").read_text()
     (default,) = [name for name in rows if name.startswith("f2l2 (default: auto form, ρ=")]
     assert rows[default]["messages"] == 0 and rows["f2l2 difference (λ=10 absolute)"]["messages"] == 0
     assert rows[default]["form"] in ("difference", "retained")
@@ -187,6 +194,32 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     assert swept["lambda"] == retained["lambda"] == pytest.approx(0.01 * decomposition["lambda_max"], rel=1e-6)
     assert swept["distance_to_retrain"] != retained["distance_to_retrain"]
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
+
+
+def test_f2l2_recipe_over_seeds_tabulates_each_seed_and_their_mean(tmp_path, capsys):
+    """--seeds: one protocol per seed in its own folder (its own partition and training), then each row's
+    mean over the seeds and on how many it is within the goal, from the seeds' own tables; --seed with
+    --seeds is refused."""
+    out = tmp_path / "f2l2"
+    flags = ["--tasks", "digits", "--backdoor-trigger", "3", "--rounds", "3", "--local-epochs", "1",
+             "--negation-rounds", "0", "--rhos", "--l2s", "--retrain-orders", "0", "--output-dir", str(out)]
+    recipe = load_recipe("f2l2_backdoor")
+    assert recipe.main(flags + ["--seeds", "0", "1", "--seed", "1"]) == 2 and not out.exists()
+    assert recipe.main(flags + ["--seeds", "0", "1"]) == 0
+    seeds = [json.loads((out / f"seed_{s}" / "f2l2_backdoor.json").read_text()) for s in (0, 1)]
+    assert [s["seed"] for s in seeds] == [0, 1]
+    assert seeds[0]["rows"]["trained"]["ta"] != seeds[1]["rows"]["trained"]["ta"]
+    table = json.loads((out / "f2l2_backdoor.json").read_text())
+    for name, row in table["rows"].items():
+        per_seed = [s["rows"][name] for s in seeds]
+        assert row["ta"][0] == pytest.approx(100 * (per_seed[0]["ta"] + per_seed[1]["ta"]) / 2)
+        assert row["delta_bsr"][0] == pytest.approx(50 * sum(r["bsr"] - s["rows"]["retrained"]["bsr"]
+                                                             for r, s in zip(per_seed, seeds)))
+        assert row["within_goal"] == sum(abs(r["ta"] - s["rows"]["retrained"]["ta"]) <= 0.01
+                                         and abs(r["bsr"] - s["rows"]["retrained"]["bsr"]) <= 0.02
+                                         for r, s in zip(per_seed, seeds))
+    assert table["rows"]["retrained"]["within_goal"] == 2 and (out / "f2l2_backdoor.png").exists()
+    assert "over 2 seeds (0, 1" in (out / "f2l2_backdoor.md").read_text()
 
 
 def test_tct_text_recipe_reports_accuracy_and_costs(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
