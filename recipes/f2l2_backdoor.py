@@ -13,9 +13,10 @@ last round collects each client's gradient) and `retrained` (the same without cl
 `--retrain-orders` k, k more retrainings in other training orders, `training_seed`, on the same partition
 and w₀: retraining's own run-to-run spread, the yardstick for the removal's gaps). Removals of
 client 0 from `trained`: F²L² with its defaults (damping λ = ρ·λ_max(H_s), the auto form of the gradient
-inside the trust region), the difference form with and without the region, with the other ρ of `--rhos`,
-with an absolute λ = 10 (`--l2s`), with the target and retained forms of the gradient (swept over
-`--rhos` too with `--forms`), and the SGA baseline (the client ascends its own loss); the project's own
+inside the trust region), the difference form with and without the region, the split form with the other
+ρ of `--rhos` and with an absolute λ = 10 (`--l2s`), the split, target and retained forms at the default
+damping (the difference, target and retained forms swept over `--rhos` too with `--forms`), and the SGA
+baseline (the client ascends its own loss); the project's own
 removal, `--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered
 test images of the other classes, BSR on the client's poisoned training set as the official code
@@ -88,8 +89,8 @@ L2S = (10.0,)  # absolute λ: the former default
 def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
     """The removals of the table, by row name -> `remove_client` keywords (the first: the run's defaults, the
     auto form inside the trust region; then the difference form with the region and without it); `forms`:
-    gradient forms swept over `rhos` besides the difference form. The sweeps run without the trust region,
-    the default-damping rows with it."""
+    gradient forms swept over `rhos` besides the split form (what auto takes where the difference step fits).
+    The sweeps run without the trust region, the default-damping rows with it."""
     c = strategy_config
     default_rho = c.removal_rho if c.removal_damping == "relative" else None
     own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
@@ -99,10 +100,10 @@ def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
             f"f2l2 difference form ({own})": {"gradient": "difference"}}
     if c.removal_trust_radius:
         rows[f"f2l2 difference form ({own}, no trust region)"] = {"gradient": "difference", **free}
-    rows.update({f"f2l2 difference (ρ={rho:g})": {"rho": rho, "gradient": "difference", **free}
+    rows.update({f"f2l2 split (ρ={rho:g})": {"rho": rho, "gradient": "split", **free}
                  for rho in rhos if rho != default_rho})
-    rows.update({f"f2l2 difference (λ={l2:g} absolute)": {"l2": l2, "gradient": "difference", **free} for l2 in l2s})
-    rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("target", "retained")})
+    rows.update({f"f2l2 split (λ={l2:g} absolute)": {"l2": l2, "gradient": "split", **free} for l2 in l2s})
+    rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("split", "target", "retained")})
     rows.update({f"f2l2 {form} (ρ={rho:g})": {"gradient": form, "rho": rho, **free}
                  for form in forms for rho in rhos if rho != default_rho})
     rows["SGA"] = {"method": "sga", "sga_lr": 1e-2}
@@ -341,8 +342,8 @@ def main(argv=None) -> int:
                         help="F²L² removals with λ = ρ·λ_max(H_s) for these ρ besides the run's default")
     parser.add_argument("--l2s", type=float, nargs="*", default=list(L2S),
                         help="F²L² removals with these absolute λ (the former default: 10)")
-    parser.add_argument("--forms", nargs="*", choices=["target", "retained"], default=[],
-                        help="gradient forms to sweep over --rhos as well (the default form always is)")
+    parser.add_argument("--forms", nargs="*", choices=["difference", "target", "retained"], default=[],
+                        help="gradient forms to sweep over --rhos besides the split form (which always is)")
     parser.add_argument("--retrain-orders", type=int, default=2,
                         help="more retrainings in other training orders (`training_seed`), which measure "
                         "retraining's own spread (0: none)")

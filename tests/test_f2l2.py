@@ -201,7 +201,7 @@ def test_f2l2_removes_the_backdoor_on_the_server_alone(backdoored, monkeypatch):
     assert u["client_messages"] == 0 and u["relative_residual"] < 1e-5
     # the default damping is relative to the server Hessian's scale, and the removal records it
     assert u["damping"] == "relative" and u["rho"] == 0.002 and u["gradient"] == "auto"
-    assert u["form"] == "difference" and u["difference_step"] <= u["trust_radius"]  # the step fits on digits
+    assert u["form"] == "split" and u["difference_step"] <= u["trust_radius"]  # the step fits on digits
     assert u["lambda_max"] > 0 and u["eigen_iterations"] >= 2
     assert u["l2"] == pytest.approx(u["rho"] * u["lambda_max"]) and f"{u['rho']:g} × " in u["how"]
     assert after["backdoor_success_rate"] <= reference["backdoor_success_rate"] + 0.1
@@ -295,11 +295,14 @@ def test_the_removal_step_stays_inside_its_trust_region(backdoored):
     assert out["untrusted_l2"] == pytest.approx(default.l2) and "trust region" in out["how"]
 
 
-def test_the_auto_form_takes_the_difference_step_where_it_fits_and_the_retained_form_where_not(backdoored):
-    """The default `auto` form: on digits the difference form's step fits the default trust region and is
-    taken as it is (one solve more than nothing: the same model as asking for the difference form); under a
-    radius it overflows, the retained form is solved inside the region instead, the same model as asking for
-    that, and the result records which form was taken and the difference step that decided."""
+def test_the_auto_form_takes_the_split_step_where_the_difference_step_fits_and_the_retained_form_where_not(
+        backdoored):
+    """The default `auto` form. The split step equals a direct solve: the retained form's step plus λ·(H_s +
+    λI)⁻² times the client's share of the gradient (Woodbury over the server slice's Jacobian, formed). On
+    digits the difference step fits the default trust region, so auto takes the split step, the same model
+    as asking for it; split asked for under a radius the difference step overflows raises λ until that
+    step fits; auto under it solves the retained form inside the region instead, the same model as asking
+    for that; the result records which form was taken and the difference step that decided."""
     root = backdoored[0]
     finished = open_finished_run(root / "trained")
     state, env, strategy = finished.state, finished.env, finished.env.strategy
@@ -308,15 +311,40 @@ def test_the_auto_form_takes_the_difference_step_where_it_fits_and_the_retained_
         return task_model(removal.state.vectors, "digits")
 
     auto = strategy.remove_client(state, env, 0)
+    split = strategy.remove_client(state, env, 0, RemovalOptions(gradient="split"))
     difference = strategy.remove_client(state, env, 0, RemovalOptions(gradient="difference"))
-    assert auto.gradient == "auto" and auto.form == "difference" and auto.solves == 1
+    assert auto.gradient == "auto" and auto.form == split.form == "split" and auto.solves == 2
     assert auto.difference_step == pytest.approx(difference.step_norm) and auto.difference_step <= auto.trust_radius
-    assert (model(auto) - model(difference)).norm() <= 1e-6 * difference.step_norm
+    assert (model(auto) - model(split)).norm() <= 1e-6 * split.step_norm
+    # the direct solve, in float64 over the explicit Jacobian of the server's slice
+    w, w0 = task_model(state.vectors, "digits"), task_point(state.vectors, "digits")
+    samples = {int(c): int(n) for c, n in state.scalars["gradient_samples"].items()}
+    grads = {c: state.vectors[gradient_name(c)] for c in samples}
+    rest = sum(n for c, n in samples.items() if c != 0)
+    retained = sum((grads[c] * (n / rest) for c, n in samples.items() if c != 0), w.zeros_like())
+    share = (retained - grads[0]) * (samples[0] / (rest + samples[0]))
+    data = strategy.server_split(env, "digits")[1]
+    with JacobianGaussNewton(env.host, w0, data, outputs=10) as products:
+        jac, keys = products.jacobian.double(), products.keys
+    flat = lambda tv: TaskVector({k: tv[k] for k in keys}).flatten().double()  # noqa: E731
+    lam, n = auto.l2, len(data)
+    inner = torch.linalg.cholesky(lam * n / 2 * torch.eye(len(jac), dtype=torch.float64) + jac @ jac.T)
+
+    def solve(b):  # (2/n·JᵀJ + λI)⁻¹·b
+        return (b - jac.T @ torch.cholesky_solve((jac @ b)[:, None], inner)[:, 0]) / lam
+
+    step = solve(flat(retained) + lam * solve(flat(share)))
+    torch.testing.assert_close(flat(w - model(auto)), step, rtol=0, atol=1e-4 * step.norm().item())
+    assert (flat(w - model(difference)) - step).norm() > 0.05 * step.norm()  # not the difference step
+    radius = 0.5 * difference.step_norm / auto.trust_radius  # a region the difference step overflows
+    squeezed = strategy.remove_client(state, env, 0, RemovalOptions(gradient="split", trust_radius=radius))
+    assert squeezed.form == "split" and squeezed.untrusted_l2 == pytest.approx(auto.l2) and squeezed.l2 > auto.l2
+    assert squeezed.difference_step <= squeezed.trust_radius
     tight = strategy.remove_client(state, env, 0, RemovalOptions(trust_radius=0.005))
-    retained = strategy.remove_client(state, env, 0, RemovalOptions(gradient="retained", trust_radius=0.005))
+    retained_form = strategy.remove_client(state, env, 0, RemovalOptions(gradient="retained", trust_radius=0.005))
     assert tight.form == "retained" and tight.difference_step > tight.trust_radius >= tight.step_norm
-    assert tight.difference_step == pytest.approx(difference.step_norm) and tight.solves == retained.solves + 1
-    assert (model(tight) - model(retained)).norm() <= 1e-6 * retained.step_norm
+    assert tight.difference_step == pytest.approx(difference.step_norm) and tight.solves == retained_form.solves + 1
+    assert (model(tight) - model(retained_form)).norm() <= 1e-6 * retained_form.step_norm
     assert (model(tight) - model(difference)).norm() > 0.1 * difference.step_norm
     out = remove_client(root / "trained", 0, trust_radius=0.005, output_dir=root / "auto-tight")["unlearning"]
     assert out["form"] == "retained" and "did not fit the trust region" in out["how"]

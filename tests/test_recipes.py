@@ -170,16 +170,17 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     table = json.loads((out / "f2l2_backdoor.json").read_text())
     rows = table["rows"]
     assert list(rows)[:3] == ["trained", "retrained", "retrained, training order 2"]
-    assert rows["retrained"]["distance_to_retrain"] == 0 and rows["retrained, training order 2"]["distance_to_retrain"] > 0
+    assert rows["retrained"]["distance_to_retrain"] == 0
+    assert rows["retrained, training order 2"]["distance_to_retrain"] > 0
     assert table["retraining_orders"] == ["retrained", "retrained, training order 2"]
     assert table["default_within_goal"] == [abs(rows[table["default_row"]]["ta"] - rows[n]["ta"]) <= 0.01
                                             and abs(rows[table["default_row"]]["bsr"] - rows[n]["bsr"]) <= 0.02
                                             for n in table["retraining_orders"]]
     assert "Retraining's own spread over 2 training orders" in (out / "f2l2_backdoor.md").read_text()
     (default,) = [name for name in rows if name.startswith("f2l2 (default: auto form, ρ=")]
-    assert rows[default]["messages"] == 0 and rows["f2l2 difference (λ=10 absolute)"]["messages"] == 0
-    assert rows[default]["form"] in ("difference", "retained")
-    assert rows["f2l2 difference (ρ=0.01)"]["form"] == "difference"
+    assert rows[default]["messages"] == 0 and rows["f2l2 split (λ=10 absolute)"]["messages"] == 0
+    assert rows[default]["form"] in ("split", "retained")
+    assert rows["f2l2 split (ρ=0.01)"]["form"] == "split" and rows["f2l2 split (default damping)"]["form"] == "split"
     assert rows["SGA"]["messages"] == 1
     assert (rows["FedAvg + negation (1 rounds)"]["messages"] == 3
             and rows["FedAvg trained"]["distance_to_retrain"] is None)
@@ -190,7 +191,7 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
         decomposition["exact_step_to_retrain"], rel=1e-6)
     assert decomposition["lambda"] == pytest.approx(decomposition["rho"] * decomposition["lambda_max"], rel=1e-6)
     # --forms: the same ρ, another form
-    swept, retained = rows["f2l2 difference (ρ=0.01)"], rows["f2l2 retained (ρ=0.01)"]
+    swept, retained = rows["f2l2 split (ρ=0.01)"], rows["f2l2 retained (ρ=0.01)"]
     assert swept["lambda"] == retained["lambda"] == pytest.approx(0.01 * decomposition["lambda_max"], rel=1e-6)
     assert swept["distance_to_retrain"] != retained["distance_to_retrain"]
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()

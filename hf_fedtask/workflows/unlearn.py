@@ -218,7 +218,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                      f"‖step‖ ≤ {removal.trust_radius:.4g} ({removal.solves} solves)")
         form = f"{removal.form} form of g"
         if removal.gradient == "auto":
-            fit = "fitted" if removal.form == "difference" else "did not fit"
+            fit = "fitted" if removal.form == "split" else "did not fit"
             form += (f" (auto: the difference form's step, {removal.difference_step:.4g}, {fit} the trust region "
                      f"{removal.trust_radius:.4g})")
         how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:.4g}{scale} and the "
