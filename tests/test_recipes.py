@@ -200,12 +200,14 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
 def test_f2l2_recipe_over_seeds_tabulates_each_seed_and_their_mean(tmp_path, capsys):
     """--seeds: one protocol per seed in its own folder (its own partition and training), then each row's
     mean over the seeds and on how many it is within the goal, from the seeds' own tables; --seed with
-    --seeds is refused."""
+    --seeds, a repeated seed and a negative --retrain-orders are refused before anything is written."""
     out = tmp_path / "f2l2"
     flags = ["--tasks", "digits", "--backdoor-trigger", "3", "--rounds", "3", "--local-epochs", "1",
              "--negation-rounds", "0", "--rhos", "--l2s", "--retrain-orders", "0", "--output-dir", str(out)]
     recipe = load_recipe("f2l2_backdoor")
     assert recipe.main(flags + ["--seeds", "0", "1", "--seed", "1"]) == 2 and not out.exists()
+    assert recipe.main(flags + ["--seeds", "0", "0"]) == 2 and not out.exists()
+    assert recipe.main(flags + ["--seeds", "0", "--retrain-orders", "-1"]) == 2 and not out.exists()
     assert recipe.main(flags + ["--seeds", "0", "1"]) == 0
     seeds = [json.loads((out / f"seed_{s}" / "f2l2_backdoor.json").read_text()) for s in (0, 1)]
     assert [s["seed"] for s in seeds] == [0, 1]
