@@ -165,15 +165,21 @@ from hf_fedtask.config import RunConfig
 from hf_fedtask.engine.run import run
 from hf_fedtask.errors import FedTaskError
 config = RunConfig.from_dict(json.loads(sys.argv[1]))
+
+
+def say(line):  # one write per line: the ranks share the pipe, and print's pieces interleave between them
+    os.write(1, (line + "\\n").encode())
+
+
 try:
     results = run(config, overwrite=len(sys.argv) > 2)
 except FedTaskError as e:
     from hf_fedtask.model.device import launch
-    print(f"rank {launch().rank} error: {e}", flush=True)
+    say(f"rank {launch().rank} error: {e}")
     sys.exit(2)
 from accelerate import PartialState
-print("mean", results["mean_metric"], "processes", results["processes"], flush=True)
-print("trainers", PartialState().distributed_type, flush=True)  # the state the last Trainer built
+say(f"mean {results['mean_metric']} processes {results['processes']}")
+say(f"trainers {PartialState().distributed_type}")  # the state the last Trainer built
 """
 
 
