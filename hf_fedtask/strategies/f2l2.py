@@ -39,10 +39,11 @@ takes the split form when the difference step at the damping's λ fits the trust
 form, solved within the region, when it does not: the difference step divides the client's own gradient by
 H_s + λI, and where the server's slice does not cover what the client's data move, it grows like 1/λ, a
 share H_s cannot vouch for. `split` asked for by name takes the client's share within the region (λ raised
-until the difference step fits) and the whole step at that λ. On the paper's MLP (three seeds) the split
+until the difference step fits) and the whole step at that λ. On the paper's MLP (six seeds) the split
 step lands within a point of clean accuracy and two of BSR of retraining, where the difference form loses
 1-2 points of accuracy and the retained form keeps a fifth of the backdoor; on a text probe with a 320-text
-slice the difference step is 4.4 times the radius, and the retained form lands within two points.
+slice the difference step is 3.3-4.4 times the radius (three seeds), and the split step would cost 6 points
+of accuracy that the retained form does not.
 The official code (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps
 the removal with λ it leaves out of g₋; `start: random`, `--gradient target` and a removal λ other than
 the training one reproduce it.
