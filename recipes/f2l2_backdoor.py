@@ -180,9 +180,8 @@ def protocol(base: RunConfig, args) -> dict:
     trained, retrained = finished["trained"], finished["retrained"]
     env, task = trained.env, trained.env.tasks[0].name
     rows = {name: evaluated(env, run_.state, target, task, w=model_of(run_.state, task))
-            for name, run_ in finished.items()}
+            for name, run_ in finished.items()}  # trained, retrained, then the other orders
     orders = [name for name in rows if name.startswith("retrained")]
-    rows = {name: rows[name] for name in ["trained", *orders]}
     round_s = statistics.median(r["seconds"] for r in trained.history if r.get("kind", "train") == "train")
     # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
     # each round's evaluation is included, as it is in one round's time above)

@@ -49,8 +49,7 @@ class ClientRuntime:
         downlink = unpack_vectors(TaskVector.from_bytes(ins.payload, source=f"downlink to client {self.client_id}"))
         job = ClientJob(client_id=self.client_id, round=ins.round, data=env.client_data(self.client_id),
                         seed=env.config.local_training_seed, origin=env.origin, initial_heads=env.initial_heads,
-                        store=store,
-                        query=query)
+                        store=store, query=query)
         if ins.kind == TRAIN:
             update = strategy.client_update(downlink, job, env.trainer)
             if dp_requested(env.config):  # client-level DP: clipped (and, in the clients mode, noised) here
