@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from hf_fedtask.config import add_config_arguments, config_from_args
 from hf_fedtask.data.builtin_tasks import SUITES
 from hf_fedtask.errors import ConfigError, FedTaskError
-from hf_fedtask.strategies.configs import GRADIENT_FORMS
+from hf_fedtask.strategies.configs import GRADIENT_FORMS, HESSIANS
 
 
 def _run(args) -> int:
@@ -110,7 +110,7 @@ _UNLEARN_MODES = (
     _UnlearnMode(label="--method f2l2", method="f2l2", targets=("--client",), workflow="remove_client",
                  fixed={"method": "f2l2"}, flags={"--rho": "rho", "--l2": "l2", "--gradient": "gradient",
                                                   "--cg-iterations": "iterations", "--cg-tolerance": "tolerance",
-                                                  "--trust-radius": "trust_radius"},
+                                                  "--trust-radius": "trust_radius", "--hessian": "hessian"},
                  note=" (one Newton step on the server: no rounds)"),
     _UnlearnMode(label="--method sga", method="sga", targets=("--client",), workflow="remove_client",
                  fixed={"method": "sga"}, flags={"--sga-epochs": "sga_epochs", "--sga-lr": "sga_lr"},
@@ -368,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-radius", type=float, default=None,
                    help="f2l2: cap the step's norm at this multiple of ‖w* − w₀‖, raising λ until it fits (0: no "
                         "cap; default: the run's removal_trust_radius, 1)")
+    p.add_argument("--hessian", choices=HESSIANS, default=None,
+                   help="f2l2: the removal's Hessian: the retained clients' own, from the curvature factors they "
+                        "uploaded (clients; runs trained with curvature_rank > 0), the server's slice (server), or "
+                        "the clients' where the run has them (auto, the default)")
     p.add_argument("--sga-epochs", type=float, default=None, help="sga: epochs of ascent (1)")
     p.add_argument("--sga-lr", type=float, default=None, help="sga: learning rate (1e-3)")
     p.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")

@@ -96,8 +96,10 @@ def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
     own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
            "objective": "the objective's λ"}[c.removal_damping]
     free = {"trust_radius": 0.0}  # the sweeps show each damping as it is, without the trust region
-    rows = {f"f2l2 (default: auto form, {own})": {},
-            f"f2l2 difference form ({own})": {"gradient": "difference"}}
+    rows = {f"f2l2 (default: auto form, {own})": {}}
+    if c.curvature_rank:  # the run's clients uploaded curvature factors: the default takes their Hessian
+        rows[f"f2l2 auto form ({own}), the server's Hessian H_s"] = {"hessian": "server"}
+    rows[f"f2l2 difference form ({own})"] = {"gradient": "difference"}
     if c.removal_trust_radius:
         rows[f"f2l2 difference form ({own}, no trust region)"] = {"gradient": "difference", **free}
     rows.update({f"f2l2 split (ρ={rho:g})": {"rho": rho, "gradient": "split", **free}
@@ -200,7 +202,8 @@ def protocol(base: RunConfig, args) -> dict:
                       "seconds": u["seconds"], "messages": u["client_messages"], "form": u.get("form"),
                       "residual": u.get("relative_residual"), "lambda": u.get("l2"),
                       "lambda_max": u.get("lambda_max"), "rho": u.get("rho"),
-                      "cg_iterations": u.get("cg_iterations"), "eigen_iterations": u.get("eigen_iterations")}
+                      "cg_iterations": u.get("cg_iterations"), "eigen_iterations": u.get("eigen_iterations"),
+                      "hessian": u.get("hessian")}
     if args.negation_rounds:
         rows.update(negation_rows(base, out, target, task, args.negation_rounds))
     # the bound's two error terms, measured: the same step with the retained clients' own Hessian H₋
@@ -209,11 +212,12 @@ def protocol(base: RunConfig, args) -> dict:
     retained_data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
                                       env.task_by_name[task])
     # both at the default damping as it is, in the form the default removal took: the Hessians' gap alone
-    raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0)
+    raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0, hessian="server")
     oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
     default = env.strategy.remove_client(trained.state, env, target, raw)
     rows["f2l2 default form and damping, the retained clients' own Hessian (simulation only)"] = evaluated(
-        env, oracle.state, target, task, w=model_of(oracle.state, task), form=oracle.form, **{"lambda": oracle.l2})
+        env, oracle.state, target, task, w=model_of(oracle.state, task), form=oracle.form, hessian="retained data",
+        **{"lambda": oracle.l2})
     decomposition = {"form": default.form, "lambda": default.l2, "lambda_max": default.lambda_max,
                      "rho": default.rho,
                      "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
@@ -231,8 +235,8 @@ def protocol(base: RunConfig, args) -> dict:
              f"w₀, {base.rounds - 1} training rounds + the gradient round, seed {base.seed}; one training round "
              f"{round_s:.2f} s, retraining's training rounds {retrain_s:.1f} s; λ_max(H_s) = {lambda_max}{ridge}**", "",
              "| model | TA % | BSR % (test) | BSR % (client's poisoned set) | ΔTA to retrain | ΔBSR to retrain "
-             "| ‖w − w_retrain‖ | form of g | λ | removal time / round | removal time / retraining | client messages |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ‖w − w_retrain‖ | form of g | Hessian | λ | removal time / round | removal time / retraining "
+             "| client messages |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         timing = f"{r['seconds'] / round_s:.2f}" if "seconds" in r else "-"
         share = f"{r['seconds'] / retrain_s:.4f}" if "seconds" in r else "-"
@@ -241,7 +245,8 @@ def protocol(base: RunConfig, args) -> dict:
         lam = f"{r['lambda']:.4g}" if r.get("lambda") is not None else "-"
         lines.append(f"| {name} | {100 * r['ta']:.1f} | {100 * r['bsr']:.1f} | {100 * r['bsr_train']:.1f} "
                      f"| {100 * (r['ta'] - ref['ta']):+.1f} | {100 * (r['bsr'] - ref['bsr']):+.1f} "
-                     f"| {distance} | {r.get('form') or '-'} | {lam} | {timing} | {share} | {messages} |")
+                     f"| {distance} | {r.get('form') or '-'} | {r.get('hessian') or '-'} | {lam} | {timing} | {share} "
+                     f"| {messages} |")
     d = decomposition
     lines += ["", f"Where the distance to retraining comes from ({d['form']} form, λ = {d['lambda']:.4g}): "
               f"‖w_F²L² − w_exact‖ = {d['hessian_error']:.3f} is the Hessian approximation (H_s from the server's "

@@ -17,7 +17,7 @@ from datasets import concatenate_datasets
 from hf_fedtask.cli import main
 from hf_fedtask.client.objectives import AnchoredRidge
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SHARED, gradient_name, head_name
+from hf_fedtask.core.state import SHARED, curvature_name, gradient_name, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
@@ -30,7 +30,9 @@ from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.model.newton import (
     GaussNewton,
     JacobianGaussNewton,
+    LowRankGaussNewton,
     conjugate_gradient,
+    curvature_factor,
     data_gradient,
     hessian,
     largest_eigenvalue,
@@ -165,6 +167,92 @@ def test_lanczos_finds_the_largest_eigenvalue_of_the_gauss_newton_hessian():
 
     estimate, info = largest_eigenvalue(apply, template, iterations=60)
     assert estimate == pytest.approx(10.0, rel=1e-3) and estimate <= 10.0 * (1 + 1e-5)
+
+
+def test_a_curvature_factor_is_the_best_low_rank_approximation_and_sums_into_one_operator():
+    """`curvature_factor`'s FᵀF equals A's top-k eigenpart (eigh of the explicit matrix; a spectrum decaying
+    like a Hessian's), is A itself where A's rank is at most k (zero rows pad it), and `LowRankGaussNewton`
+    applies Σ_j c_j·F_jᵀF_j."""
+    gen = torch.Generator().manual_seed(2)
+    basis, _ = torch.linalg.qr(torch.randn(200, 200, generator=gen, dtype=torch.float64))
+    template = TaskVector({"a": torch.zeros(120), "b": torch.zeros(8, 10)})
+
+    def operator(matrix):
+        return lambda v: TaskVector.unflatten((matrix @ v.flatten().double()).float(), template)
+
+    def dense(factor: TaskVector) -> torch.Tensor:  # F as rank × P, the template's flat order
+        return torch.cat([factor[k].reshape(factor[k].shape[0], -1) for k in template], 1).double()
+
+    spectrum = 50.0 * 0.8 ** torch.arange(200, dtype=torch.float64)
+    full = (basis * spectrum) @ basis.T
+    factor = curvature_factor(operator(full), template, 12)
+    assert factor["a"].shape == (12, 120) and factor["b"].shape == (12, 8, 10)
+    top = (basis[:, :12] * spectrum[:12]) @ basis[:, :12].T
+    f = dense(factor)
+    assert (f.T @ f - top).norm() <= 1e-4 * top.norm()
+    assert (f.T @ f - full).norm() > 0.01 * full.norm()  # the rest of the spectrum is left out
+    low = (basis[:, :9] * spectrum[:9]) @ basis[:, :9].T  # rank 9 < 12: the factor is the matrix
+    small = curvature_factor(operator(low), template, 12, seed=3)
+    g = dense(small)
+    assert (g.T @ g - low).norm() <= 1e-4 * low.norm() and g[9:].abs().max() == 0
+    v = TaskVector({k: torch.randn(t.shape, generator=gen) for k, t in template.items()})
+    with LowRankGaussNewton([(factor, 0.25), (small, 0.75)]) as products:
+        got = products(v).flatten().double()
+    want = (0.25 * f.T @ f + 0.75 * g.T @ g) @ v.flatten().double()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_the_clients_curvature_factors_give_the_removal_the_retained_clients_own_hessian(tiny_bert_dir,
+                                                                                        tiny_tasks_dir, tmp_path,
+                                                                                        monkeypatch):
+    """`curvature_rank` ≥ P (a linear probe: P = hidden·C + C): each client's factor is its whole data
+    Hessian, uploaded with its last-round gradient and kept in the run, so the default removal, with no
+    client contacted, takes the step with the retained clients' own Hessian: equal to that step computed
+    from their data (what the recipe's simulation-only row does) and not the server slice's step."""
+    base = dict(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
+                peft_method="probe", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=3,
+                batch_size=8, max_length=16, min_samples=4, backdoor_client=0, backdoor_trigger=1, export=False)
+    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2}
+    env = Environment(RunConfig(**base, strategy_options=options))
+    task = env.tasks[0].name
+    rank = env.initial.vectors[head_name(task)].numel()
+    run(RunConfig(**base, strategy_options={**options, "curvature_rank": rank}, output_dir=str(tmp_path / "run")))
+    finished = open_finished_run(tmp_path / "run")
+    state, env, strategy = finished.state, finished.env, finished.env.strategy
+    model = task_model(state.vectors, task)
+    for client in range(3):
+        factor = state.vectors[curvature_name(client)]
+        assert {k: tuple(t.shape) for k, t in factor.items()} == {k: (rank, *t.shape) for k, t in model.items()}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a client was contacted during the removal")
+
+    monkeypatch.setattr(ClientRuntime, "handle", refuse)
+    removal = strategy.remove_client(state, env, 0)
+    assert removal.hessian == "clients"
+    retained = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in (1, 2)]),
+                                 env.task_by_name[task])
+    own = strategy.remove_client(state, env, 0, hessian_data=retained)
+    assert own.hessian == "server" and removal.l2 == pytest.approx(own.l2, rel=1e-3) and removal.form == own.form
+    got, want = task_model(removal.state.vectors, task), task_model(own.state.vectors, task)
+    assert (got - want).norm() <= 1e-3 * own.step_norm
+    raw = dict(gradient="retained", trust_radius=0.0)  # the Newton step as it is, where the Hessians show
+    clients, own = (strategy.remove_client(state, env, 0, RemovalOptions(**raw), hessian_data=data)
+                    for data in (None, retained))
+    server = strategy.remove_client(state, env, 0, RemovalOptions(**raw, hessian="server"))
+    want = task_model(own.state.vectors, task)
+    assert (task_model(clients.state.vectors, task) - want).norm() <= 1e-3 * own.step_norm
+    assert (task_model(server.state.vectors, task) - want).norm() > 0.05 * own.step_norm
+    out = remove_client(tmp_path / "run", 0, output_dir=tmp_path / "removed")["unlearning"]
+    assert out["hessian"] == "clients" and out["client_messages"] == 0 and "uploaded" in out["how"]
+
+
+def test_the_clients_hessian_needs_their_factors(backdoored, tmp_path):
+    with pytest.raises(ConfigError, match="uploaded none"):
+        remove_client(backdoored[0] / "trained", 0, hessian="clients", output_dir=tmp_path / "a")
+    with pytest.raises(ConfigError, match="unknown removal Hessian"):
+        RemovalOptions(hessian="oracle")
+    assert not (tmp_path / "a").exists()
 
 
 def test_backdoor_data_carry_the_trigger_and_the_target():

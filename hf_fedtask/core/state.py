@@ -132,6 +132,14 @@ def gradient_name(client: int) -> str:
     return f"gradient/client{client}"
 
 
+CURVATURE = "curvature"  # the gradient round's upload with `curvature_rank` > 0: the client's curvature factor
+
+
+def curvature_name(client: int) -> str:
+    """Client `client`'s curvature factor F_k (FᵀF ≈ its data term's Hessian at w₀) in the final state."""
+    return f"curvature/client{client}"
+
+
 @dataclass
 class GlobalState:
     """Server state after `round` finished rounds."""

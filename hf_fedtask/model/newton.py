@@ -262,6 +262,36 @@ class EigenInfo:
     relative_change: float
 
 
+def _lanczos(apply: Callable[[TaskVector], TaskVector], template: TaskVector, steps: int, seed: int,
+             tolerance: float | None = None) -> tuple[list[TaskVector], torch.Tensor, EigenInfo]:
+    """Lanczos with full reorthogonalization from a seeded random start: (the orthonormal basis, the
+    tridiagonal T = QᵀAQ in float64, how it ended). Stops after `steps` products, at an invariant subspace,
+    or (`tolerance`) when T's top eigenvalue changes by at most that (relative)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = TaskVector({k: torch.randn(t.shape, generator=generator, dtype=torch.float32) for k, t in template.items()})
+    q = q * (1.0 / q.norm())
+    basis, alphas, betas = [q], [], []
+    estimate, change, done = 0.0, float("inf"), 0
+    for done in range(1, steps + 1):
+        w = apply(q)
+        alphas.append(w.dot(q))
+        for _ in range(2):  # twice: the basis stays orthonormal in float32 over hundreds of steps
+            for v in basis:
+                w = w - v * w.dot(v)
+        beta = w.norm()
+        if tolerance is not None:
+            ritz = float(torch.linalg.eigvalsh(_tridiagonal(alphas, betas))[-1])
+            change, estimate = abs(ritz - estimate) / max(abs(ritz), 1e-30), ritz
+            if change <= tolerance:
+                break
+        if done == steps or beta <= 1e-6 * max(abs(a) for a in alphas):  # an invariant subspace
+            break
+        betas.append(beta)
+        q = w * (1.0 / beta)
+        basis.append(q)
+    return basis[:len(alphas)], _tridiagonal(alphas, betas), EigenInfo(done, change)
+
+
 def largest_eigenvalue(apply: Callable[[TaskVector], TaskVector], template: TaskVector, *, iterations: int = 30,
                        tolerance: float = 1e-4, seed: int = 0) -> tuple[float, EigenInfo]:
     """λ_max of a symmetric positive semi-definite A given as `apply`, shaped like `template`: Lanczos with
@@ -269,26 +299,53 @@ def largest_eigenvalue(apply: Callable[[TaskVector], TaskVector], template: Task
     through its best Ritz value instead of the last iterate, so a small gap λ₁/λ₂ costs far fewer products).
     Stops when the top Ritz value changes by at most `tolerance` (relative) or after `iterations` products;
     the estimate never exceeds the true λ_max."""
-    generator = torch.Generator().manual_seed(seed)
-    q = TaskVector({k: torch.randn(t.shape, generator=generator, dtype=torch.float32) for k, t in template.items()})
-    q = q * (1.0 / q.norm())
-    basis, alphas, betas = [q], [], []
-    estimate, change, done = 0.0, float("inf"), 0
-    for done in range(1, iterations + 1):
-        w = apply(q)
-        alphas.append(w.dot(q))
-        for v in basis:  # full reorthogonalization: the basis stays orthonormal in float32
-            w = w - v * w.dot(v)
-        ritz = float(torch.linalg.eigvalsh(_tridiagonal(alphas, betas))[-1])
-        change = abs(ritz - estimate) / max(abs(ritz), 1e-30)
-        estimate = ritz
-        beta = w.norm()
-        if change <= tolerance or beta <= 1e-10 * max(abs(ritz), 1e-30):  # converged, or an invariant subspace
-            break
-        betas.append(beta)
-        q = w * (1.0 / beta)
-        basis.append(q)
-    return estimate, EigenInfo(done, change)
+    _, t, info = _lanczos(apply, template, iterations, seed, tolerance)
+    return float(torch.linalg.eigvalsh(t)[-1]), info
+
+
+def curvature_factor(apply: Callable[[TaskVector], TaskVector], template: TaskVector, rank: int, *,
+                     oversample: int = 20, seed: int = 0) -> TaskVector:
+    """F with FᵀF ≈ A, the top `rank` eigenpairs of a symmetric positive semi-definite A given as `apply`:
+    F's rows are √h_i·v_i (a row per eigenpair, largest first; saved name -> tensor of shape (rank, *shape),
+    zero rows where A has fewer eigenvalues above 1e-6 of its largest), from the Ritz pairs of `rank` + `oversample` Lanczos
+    steps (the extra steps converge the lowest pairs kept). A's best rank-`rank` approximation in every
+    unitarily invariant norm, to Lanczos' accuracy."""
+    basis, t, _ = _lanczos(apply, template, rank + oversample, seed)
+    values, vectors = torch.linalg.eigh(t)
+    order = values.argsort(descending=True)[:rank]
+    kept = values[order]
+    scales = torch.where(kept > 1e-6 * kept[0], kept, 0.0).sqrt()  # below: float32 round-off, not curvature
+    stacked = {k: torch.stack([q[k] for q in basis]).double() for k in template}  # (steps, *shape)
+    rows = {}
+    for k, q in stacked.items():
+        ritz = torch.einsum("s...,sr->r...", q, vectors[:, order]) * scales.reshape(-1, *[1] * (q.dim() - 1))
+        padded = torch.zeros((rank, *q.shape[1:]), dtype=torch.float64)
+        padded[:len(order)] = ritz
+        rows[k] = padded.float()
+    return TaskVector(rows)
+
+
+class LowRankGaussNewton:
+    """v ↦ Σ_j c_j·F_jᵀ(F_j·v) for curvature factors F_j (`curvature_factor`'s layout) and weights c_j: a
+    Hessian H ≈ Σ_j c_j·H_j built from factors the clients uploaded, as a context manager like `hessian`'s
+    operators. The factors are stacked once into one P × Σ rank matrix; a product is two matrix products."""
+
+    def __init__(self, factors: list[tuple[TaskVector, float]]):
+        self.factors = factors
+
+    def __enter__(self) -> LowRankGaussNewton:
+        first = self.factors[0][0]
+        self.shapes = {k: first[k].shape[1:] for k in first}
+        self.matrix = torch.cat([torch.cat([f[k].reshape(f[k].shape[0], -1) for k in self.shapes], 1) * weight ** 0.5
+                                 for f, weight in self.factors])  # (Σ rank, P)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.matrix = None
+
+    def __call__(self, v: TaskVector) -> TaskVector:
+        flat = TaskVector({k: v[k] for k in self.shapes}).flatten().float()
+        return TaskVector.unflatten(self.matrix.T @ (self.matrix @ flat), self.shapes)
 
 
 def _tridiagonal(alphas: list[float], betas: list[float]) -> torch.Tensor:

@@ -103,6 +103,7 @@ class NTKFedProxConfig(NTKFedAvgConfig, FedProxConfig):
 
 AUTO = "auto"
 GRADIENT_FORMS = (AUTO, "split", "difference", "target", "retained")  # F²L²'s forms of g₋ (`strategies.f2l2`)
+HESSIANS = (AUTO, "server", "clients")  # where F²L²'s removal Hessian comes from (`strategies.f2l2`)
 
 
 @dataclass
@@ -140,6 +141,11 @@ class F2L2Config(StrategyConfig):
                                          "retraining from w₀ for the same rounds ended 0.3-0.7 of that from w* in "
                                          "the README's settings, and a longer step is one the server's Hessian "
                                          "cannot vouch for", minimum=0.0)
+    curvature_rank: int = option(0, "rank of the curvature factor each client uploads with its last-round "
+                                 "gradient (the top eigenpairs of its data term's Gauss-Newton Hessian at w₀, by "
+                                 "Lanczos; rank × the trainable parameters' floats): the removal then solves with "
+                                 "the retained clients' own Hessian instead of the server's slice H_s, still with "
+                                 "no message at removal time (0: none, H_s)", minimum=0)
     start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
                         "initialization (the official code's)", choices=("pretrained", "random"))
 

@@ -10,7 +10,9 @@ training, then certified removal of a client by one Newton step computed on the 
                      ρ·λ_max(H_s) set by the server after pretraining (the objective's strong convexity, which
                      the paper's guarantee assumes), from w⁰ = w₀ (`start`)
     round R          a query: each client sends g_k = ∇D_k(w*), the gradient of its data term at the
-                     final model, and n_k (the paper's last-round upload)
+                     final model, and n_k (the paper's last-round upload); with `curvature_rank` k > 0
+                     also F_k, the top k eigenpairs of its data term's Hessian H_k at w₀ as rows √h·v
+                     (Lanczos over Gauss-Newton products; k × P floats), so that F_kᵀF_k ≈ H_k
     removal          `remove_client`: w₋ = w* − (H_s + λI)⁻¹·g₋, H_s the Gauss-Newton Hessian of
                      the linearized model on D_s (or its `hessian_holdout` share; exact: the loss is
                      quadratic), solved by conjugate gradient over Hessian-vector products
@@ -22,7 +24,10 @@ training, then certified removal of a client by one Newton step computed on the 
                      a step longer than `removal_trust_radius`·‖w* − w₀‖ (how far training moved) is
                      refused by raising λ until it fits (a Levenberg-Marquardt trust region: where the
                      server's slice misses directions the clients' data use, H_s + λI is near λI there
-                     and the step would blow up). No message to any client.
+                     and the step would blow up). With the clients' factors the removal's Hessian is the
+                     retained clients' own instead, H₋ ≈ Σ_{k≠m} (n_k/n₋)·F_kᵀF_k (`hessian`): the
+                     curvature H_s stands in for, in the directions the clients' data use. No message to
+                     any client at removal time either way.
 
 g₋ stands for ∇F₋(w*), the gradient of the objective without client m at w*, in four forms (r(w) =
 λ·w + λ_r·(w − w₀) the regularizer's gradient, ḡ₋ the retained clients' n-weighted mean gradient):
@@ -59,7 +64,7 @@ import numpy as np
 import torch
 
 from hf_fedtask.client.objectives import AnchoredRidge, OneHotMSE
-from hf_fedtask.core.state import GRADIENT, POINT, gradient_name, point_name
+from hf_fedtask.core.state import CURVATURE, GRADIENT, POINT, curvature_name, gradient_name, point_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError, ProtocolError
@@ -81,14 +86,17 @@ from hf_fedtask.strategies.base import (
     task_model,
     task_point,
 )
-from hf_fedtask.strategies.configs import AUTO, GRADIENT_FORMS, F2L2Config
+from hf_fedtask.strategies.configs import AUTO, GRADIENT_FORMS, HESSIANS, F2L2Config
 from hf_fedtask.strategies.fedavg import delta_update
 
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 SPLIT = "split"
 GRADIENT_QUERY = "data_gradient"
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
+SERVER, CLIENTS = HESSIANS[1:]  # the removal's Hessian: the server's slice H_s, the clients' factors
 RIDGE = "f2l2_ridge"  # the downlink's λ_r (one number; clients cannot compute it: D_s is the server's)
+FACTOR_JACOBIAN_BYTES = 2 << 30  # a client forms its Jacobian for its factor up to this (once, at the end of
+# training; then each of the factor's Lanczos products is two matrix products instead of a pass over its data)
 EIGEN_ITERATIONS = 30  # Lanczos products for λ_max(H_s): measured, 8-20 reach a relative change of 1e-4
 
 
@@ -100,7 +108,9 @@ class RemovalOptions:
     the form of g₋ (`GRADIENT_FORMS`; `auto` picks split or retained by the trust region, see the module
     docstring), at most `iterations` conjugate-gradient iterations (at least one) and the relative residual
     `tolerance` at which they stop, and `trust_radius` the cap on the step's norm as a multiple of ‖w* − w₀‖
-    (None: the run's `removal_trust_radius`; 0: none)."""
+    (None: the run's `removal_trust_radius`; 0: none), and `hessian` where H comes from: `clients`, the
+    retained clients' curvature factors (a run with `curvature_rank` > 0), `server`, the server's slice H_s,
+    or `auto`, the clients' factors where the run has them."""
 
     l2: float | None = None
     rho: float | None = None
@@ -108,8 +118,11 @@ class RemovalOptions:
     iterations: int = 200
     tolerance: float = 1e-6
     trust_radius: float | None = None
+    hessian: str = AUTO
 
     def __post_init__(self):
+        if self.hessian not in HESSIANS:
+            raise ConfigError(f"unknown removal Hessian {self.hessian!r}; choose one of {', '.join(HESSIANS)}")
         if self.gradient not in GRADIENT_FORMS:
             raise ConfigError(f"unknown gradient form {self.gradient!r}; choose one of {', '.join(GRADIENT_FORMS)}")
         if self.l2 is not None and self.rho is not None:
@@ -155,6 +168,7 @@ class RemovalResult:
     solves: int = 1
     form: str = ""  # the form of g₋ the step took (`gradient`, or what `auto` chose)
     difference_step: float | None = None  # auto and split: ‖step‖ of the difference form (auto: at the damping's λ)
+    hessian: str = SERVER  # the Hessian the step took: the server's slice or the retained clients' factors
 
 
 @register_strategy
@@ -207,7 +221,15 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         if phase == DONE:
             model = self._model(initial)
             vectors.update({gradient_name(int(c)): model for c in scalars.get("gradient_samples", {})})
+            if scalars.get("curvature_rank"):
+                factor = self._factor_template(model, scalars["curvature_rank"])
+                vectors.update({curvature_name(int(c)): factor for c in scalars.get("gradient_samples", {})})
         return GlobalState(initial.round, vectors, dict(scalars))
+
+    @staticmethod
+    def _factor_template(model: TaskVector, rank: int) -> TaskVector:
+        """The layout of a curvature factor of `rank` rows over `model`'s parameters."""
+        return TaskVector({k: torch.zeros((rank, *v.shape), dtype=torch.float32) for k, v in model.items()})
 
     @staticmethod
     def _task(state: GlobalState) -> str:
@@ -290,7 +312,9 @@ class F2L2(Strategy, Linearized, ClientRemoval):
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         if self.phase(state) == GRADIENTS:
-            return {GRADIENT: self._model(state)}
+            model = self._model(state)
+            rank = self.config.curvature_rank
+            return {GRADIENT: model, **({CURVATURE: self._factor_template(model, rank)} if rank else {})}
         return super().downlink(state, client_id, tasks)
 
     # -- client ------------------------------------------------------------------------------------
@@ -308,19 +332,26 @@ class F2L2(Strategy, Linearized, ClientRemoval):
     def client_query(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
         if job.query != GRADIENT_QUERY:
             raise ProtocolError(f"f2l2: unknown query {job.query!r}")
-        from hf_fedtask.model.newton import data_gradient
+        from hf_fedtask.model.newton import curvature_factor, data_gradient, hessian
 
         (task,) = job.tasks
-        gradient, loss = data_gradient(trainer.host, task_model(downlink, task), task_point(downlink, task),
-                                       job.data[task])
-        return ClientUpdate(job.client_id, job.round, {GRADIENT: gradient}, job.num_samples(), {"data_loss": loss})
+        model, point, data = task_model(downlink, task), task_point(downlink, task), job.data[task]
+        gradient, loss = data_gradient(trainer.host, model, point, data)
+        vectors = {GRADIENT: gradient}
+        if self.config.curvature_rank:  # the top eigenpairs of this client's H_k, for the removal's H₋
+            with hessian(trainer.host, point, data, max_bytes=FACTOR_JACOBIAN_BYTES) as products:
+                vectors[CURVATURE] = curvature_factor(products, model, self.config.curvature_rank, seed=job.client_id)
+        return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), {"data_loss": loss})
 
     # -- server ------------------------------------------------------------------------------------
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         if self.phase(state) == GRADIENTS:
             vectors = {gradient_name(u.client_id): u.vectors[GRADIENT] for u in updates}
+            rank = self.config.curvature_rank
+            if rank:
+                vectors.update({curvature_name(u.client_id): u.vectors[CURVATURE] for u in updates})
             samples = {str(u.client_id): u.total_samples for u in updates}
-            return state.next(vectors, phase=DONE, gradient_samples=samples)
+            return state.next(vectors, phase=DONE, gradient_samples=samples, curvature_rank=rank)
         vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
         return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)
@@ -336,6 +367,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         instead of D_s, for measurement only (the retained clients' data give the step the approximation
         H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import (
+            LowRankGaussNewton,
             TrustInfo,
             conjugate_gradient,
             hessian,
@@ -372,7 +404,17 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         forms = {"target": lambda: (g_m + regularizer) * (-n_m / n_rest),
                  "difference": lambda: (retained - g_m) * (n_m / (n_rest + n_m)),
                  "retained": lambda: retained + regularizer}
-        data = self.server_split(env, task)[1] if hessian_data is None else hessian_data
+        uploaded = bool(state.scalars.get("curvature_rank"))
+        if options.hessian == CLIENTS and not uploaded:
+            raise ConfigError("f2l2 removal: hessian 'clients' needs the clients' curvature factors, and this run's "
+                              "clients uploaded none (train with curvature_rank > 0, or take hessian 'server')")
+        source = CLIENTS if uploaded and options.hessian != SERVER and hessian_data is None else SERVER
+        if source == CLIENTS:  # H₋ ≈ Σ_k (n_k/n₋)·F_kᵀF_k over the retained clients' uploaded factors
+            operator = LowRankGaussNewton([(state.vectors[curvature_name(k)], n / n_rest)
+                                           for k, n in samples.items() if k != client])
+        else:
+            data = self.server_split(env, task)[1] if hessian_data is None else hessian_data
+            operator = hessian(env.host, w0, data, env.config.eval_batch_size)
         lambda_max, eigen_iterations = None, 0
         factor = c.removal_trust_radius if options.trust_radius is None else options.trust_radius
         if gradient == AUTO and factor == 0:
@@ -380,7 +422,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                               "run's removal_trust_radius is 0; give trust_radius > 0 or a form (difference, "
                               "target, retained)")
         radius = factor * (w - w0).norm()
-        with hessian(env.host, w0, data, env.config.eval_batch_size) as products:
+        with operator as products:
             if damping == RELATIVE:
                 lambda_max, eigen = largest_eigenvalue(products, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations
@@ -413,4 +455,4 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
                              g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
-                             trust.solves + tried, form, difference_step)
+                             trust.solves + tried, form, difference_step, source)

@@ -161,7 +161,8 @@ REMOVED_MODEL = "model.safetensors"
 
 def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2: float | None = None,
                   rho: float | None = None, gradient: str = "auto", iterations: int = 200,
-                  tolerance: float = 1e-6, trust_radius: float | None = None, sga_epochs: float = 1.0,
+                  tolerance: float = 1e-6, trust_radius: float | None = None, hessian: str = "auto",
+                  sga_epochs: float = 1.0,
                   sga_lr: float = 1e-3,
                   output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
     """Remove client `client` from a finished F²L² run in one step and write the result (evaluated,
@@ -170,7 +171,9 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     `f2l2`: w₋ = w* − (H_s + λI)⁻¹·g₋ on the server alone (`F2L2.remove_client`; λ = `rho`·λ_max(H_s) or
     an absolute `l2`, by default the run's `removal_damping`; `gradient` the form of g₋, CG `iterations`
     and `tolerance`, `trust_radius` the step's cap as a multiple of ‖w* − w₀‖, by default the run's
-    `removal_trust_radius`). `sga`: the client runs `sga_epochs` of
+    `removal_trust_radius`; `hessian` where H comes from: the retained clients' uploaded curvature factors
+    (`clients`; runs with `curvature_rank` > 0), the server's slice (`server`), or `auto`, the clients'
+    factors where the run has them). `sga`: the client runs `sga_epochs` of
     stochastic gradient ascent (SGD, `sga_lr`) on its own data's loss from w*. Returns the results,
     whose `unlearning` entry holds the metrics before and after, the wall time, one training round's
     median time and the number of client messages the removal took; the model itself is also saved
@@ -182,7 +185,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         raise ConfigError(f"unknown removal method {method!r}; choose one of {', '.join(REMOVAL_METHODS)}")
     # checked before the run is opened: nothing is loaded or written for options the step would refuse
     options = (RemovalOptions(l2=l2, rho=rho, gradient=gradient, iterations=iterations, tolerance=tolerance,
-                              trust_radius=trust_radius) if method == "f2l2" else None)
+                              trust_radius=trust_radius, hessian=hessian) if method == "f2l2" else None)
     finished = open_finished_run(run_dir)
     run_dir, env, state = finished.run_dir, finished.env, finished.state
     strategy = env.strategy
@@ -207,9 +210,11 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                    "cg_iterations": removal.cg_iterations,
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm,
                    "trust_radius": removal.trust_radius, "untrusted_l2": removal.untrusted_l2,
-                   "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state)}
+                   "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state),
+                   "hessian": removal.hessian}
+        h = "H₋" if removal.hessian == "clients" else "H_s"
         if removal.damping == "relative":
-            scale = f" = ρ·λ_max(H_s) = {removal.rho:g} × {removal.lambda_max:.4g}"
+            scale = f" = ρ·λ_max({h}) = {removal.rho:g} × {removal.lambda_max:.4g}"
         else:
             scale = (" = l2 + λ_r, the trained objective's own (the exact Newton step)"
                      if removal.damping == "objective" else " (absolute)")
@@ -221,8 +226,10 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
             fit = "fitted" if removal.form == "split" else "did not fit"
             form += (f" (auto: the difference form's step, {removal.difference_step:.4g}, {fit} the trust region "
                      f"{removal.trust_radius:.4g})")
-        how = (f"one Newton step on the server, w − (H_s + λI)⁻¹·g with λ = {removal.l2:.4g}{scale} and the "
-               f"{form}, solved by conjugate gradient ({removal.cg_iterations} iterations, "
+        source = ("H₋ the retained clients' Hessian from the curvature factors they uploaded with their last-round "
+                  "gradients" if removal.hessian == "clients" else "H_s the Hessian on the server's own data")
+        how = (f"one Newton step on the server, w − ({h} + λI)⁻¹·g, {source}, with λ = {removal.l2:.4g}{scale} and "
+               f"the {form}, solved by conjugate gradient ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
     else:
         new_state, messages = _gradient_ascent(strategy, state, env, client, sga_epochs, sga_lr), 1
