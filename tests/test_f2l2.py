@@ -486,6 +486,7 @@ def test_bad_damping_options_are_one_line_errors(backdoored, capsys):
             RemovalOptions(**kwargs)
     assert RemovalOptions(gradient="difference", trust_radius=0.0).trust_radius == 0
     for options, message in (({"removal_rho": 0.0}, "removal_rho"), ({"removal_damping": "hessian"}, "hessian"),
+                             ({"curvature_rank": -1}, "curvature_rank"), ({"curvature_rank": 1.5}, "curvature_rank"),
                              ({"removal_l2": -1.0}, "removal_l2"), ({"removal_trust_radius": -1.0},
                                                                     "removal_trust_radius")):
         with pytest.raises(ConfigError, match=message):
@@ -493,7 +494,8 @@ def test_bad_damping_options_are_one_line_errors(backdoored, capsys):
     trained = backdoored[0] / "trained"
     for flags, message in ((["--rho", "0"], "rho must be > 0"), (["--rho", "0.1", "--l2", "3"], "not both"),
                            (["--trust-radius", "-1"], "trust_radius must be >= 0"),
-                           (["--trust-radius", "0"], "auto gradient form picks its form by the trust region")):
+                           (["--trust-radius", "0"], "auto gradient form picks its form by the trust region"),
+                           (["--hessian", "clients"], "uploaded none")):
         assert main(["unlearn", str(trained), "--client", "0", "--method", "f2l2", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err

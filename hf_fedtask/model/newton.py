@@ -307,9 +307,9 @@ def curvature_factor(apply: Callable[[TaskVector], TaskVector], template: TaskVe
                      oversample: int = 20, seed: int = 0) -> TaskVector:
     """F with FᵀF ≈ A, the top `rank` eigenpairs of a symmetric positive semi-definite A given as `apply`:
     F's rows are √h_i·v_i (a row per eigenpair, largest first; saved name -> tensor of shape (rank, *shape),
-    zero rows where A has fewer eigenvalues above 1e-6 of its largest), from the Ritz pairs of `rank` + `oversample` Lanczos
-    steps (the extra steps converge the lowest pairs kept). A's best rank-`rank` approximation in every
-    unitarily invariant norm, to Lanczos' accuracy."""
+    zero rows where A has fewer eigenvalues above 1e-6 of its largest), from the Ritz pairs of `rank` +
+    `oversample` Lanczos steps (the extra steps converge the lowest pairs kept). A's best rank-`rank`
+    approximation in every unitarily invariant norm, to Lanczos' accuracy."""
     basis, t, _ = _lanczos(apply, template, rank + oversample, seed)
     values, vectors = torch.linalg.eigh(t)
     order = values.argsort(descending=True)[:rank]

@@ -94,6 +94,8 @@ SPLIT = "split"
 GRADIENT_QUERY = "data_gradient"
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 SERVER, CLIENTS = HESSIANS[1:]  # the removal's Hessian: the server's slice H_s, the clients' factors
+NO_FACTORS = ("f2l2 removal: hessian 'clients' needs the clients' curvature factors, and this run's clients uploaded "
+              "none (train with curvature_rank > 0, or take hessian 'server')")
 RIDGE = "f2l2_ridge"  # the downlink's λ_r (one number; clients cannot compute it: D_s is the server's)
 FACTOR_JACOBIAN_BYTES = 2 << 30  # a client forms its Jacobian for its factor up to this (once, at the end of
 # training; then each of the factor's Lanczos products is two matrix products instead of a pass over its data)
@@ -406,8 +408,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                  "retained": lambda: retained + regularizer}
         uploaded = bool(state.scalars.get("curvature_rank"))
         if options.hessian == CLIENTS and not uploaded:
-            raise ConfigError("f2l2 removal: hessian 'clients' needs the clients' curvature factors, and this run's "
-                              "clients uploaded none (train with curvature_rank > 0, or take hessian 'server')")
+            raise ConfigError(NO_FACTORS)
         source = CLIENTS if uploaded and options.hessian != SERVER and hessian_data is None else SERVER
         if source == CLIENTS:  # H₋ ≈ Σ_k (n_k/n₋)·F_kᵀF_k over the retained clients' uploaded factors
             operator = LowRankGaussNewton([(state.vectors[curvature_name(k)], n / n_rest)

@@ -43,7 +43,7 @@ from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import export_adapters
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import task_model
-from hf_fedtask.strategies.f2l2 import RemovalOptions
+from hf_fedtask.strategies.f2l2 import CLIENTS, NO_FACTORS, RemovalOptions
 
 
 def _run_name_part(name: str) -> str:
@@ -186,6 +186,9 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     # checked before the run is opened: nothing is loaded or written for options the step would refuse
     options = (RemovalOptions(l2=l2, rho=rho, gradient=gradient, iterations=iterations, tolerance=tolerance,
                               trust_radius=trust_radius, hessian=hessian) if method == "f2l2" else None)
+    if options is not None and options.hessian == CLIENTS and (Path(run_dir) / RUN_CONFIG_FILE).exists():
+        if not load_run_config(run_dir).strategy_options.get("curvature_rank"):  # before loading anything
+            raise ConfigError(NO_FACTORS)
     finished = open_finished_run(run_dir)
     run_dir, env, state = finished.run_dir, finished.env, finished.state
     strategy = env.strategy
