@@ -125,9 +125,9 @@ def reference_run(tmp_path):
     ("fedper", {}, {}),  # client evaluation, and a private store kept in each node's state
     ("matu", {"kappa": 1}, {"zeta": 0.5, "num_clients": 5}),
     ("fedyolo", {}, {"rounds": 1}),
-    # the server's own pretraining, a linearized model, the ridge's λ_r sent down, and the clients' gradients in
-    # a query round
-    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "ridge": 0.1}, {"one_task": True}),
+    # the server's own pretraining, a linearized model, the ridge's λ_r sent down, and the clients' gradients and
+    # curvature factors in a query round
+    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "ridge": 0.1, "curvature_rank": 4}, {"one_task": True}),
 ])
 def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny_bert_dir, tiny_tasks_dir, tmp_path,
                                               reference_run):
