@@ -7,7 +7,7 @@ Takes a finished `recipes/f2l2_backdoor.py` output folder (its `trained` and `re
 `curvature_rank`), computes each client's factor as the run's gradient round would have with `curvature_rank`
 = max(ranks) (`hf_fedtask.model.newton.curvature_factor` over the client's own data at w₀; cached in
 `<folder>/curvature_factors_<k>/`), keeps the top k rows for each k, and removes the backdoored client with
-those factors (`hessian` clients) in the auto, retained and split forms. Writes `<folder>/curvature_rank.md`
+those factors (`hessian` clients) in the auto, retained, split, difference and target forms. Writes `<folder>/curvature_rank.md`
 and `.json`: TA and BSR of each removal (and of the removal with the server's H_s, the default without
 factors), their gaps to retraining, the form taken, ‖step‖ against the trust radius, and each client's k-th
 eigenvalue against the damping λ; `RATIO` lines: the removal time with the factors over H_s's. What it saves
@@ -39,7 +39,7 @@ from hf_fedtask.model.newton import curvature_factor, hessian  # noqa: E402
 from hf_fedtask.strategies.base import task_model, task_point  # noqa: E402
 from hf_fedtask.strategies.f2l2 import FACTOR_JACOBIAN_BYTES, RemovalOptions  # noqa: E402
 
-FORMS = ("auto", "retained", "split")
+FORMS = ("auto", "retained", "split", "difference", "target")
 QUICK = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", strategy="f2l2",
              strategy_options={"pretrain_epochs": 5}, num_clients=3, rounds=4, local_epochs=1.0, batch_size=32,
              learning_rate=3e-4, lr_scheduler="constant", backdoor_client=0, backdoor_trigger=3, export=False)
