@@ -252,6 +252,11 @@ def test_the_clients_hessian_needs_their_factors(backdoored, tmp_path):
         remove_client(backdoored[0] / "trained", 0, hessian="clients", output_dir=tmp_path / "a")
     with pytest.raises(ConfigError, match="unknown removal Hessian"):
         RemovalOptions(hessian="oracle")
+    finished = open_finished_run(backdoored[0] / "trained")
+    with pytest.raises(ConfigError, match="does not combine"):  # with factors or without, never ignored
+        finished.env.strategy.remove_client(dataclasses.replace(finished.state, scalars={
+            **finished.state.scalars, "curvature_rank": 1}), finished.env, 0, RemovalOptions(hessian="clients"),
+            hessian_data=finished.env.test_data("digits"))
     assert not (tmp_path / "a").exists()
 
 

@@ -409,6 +409,9 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         uploaded = bool(state.scalars.get("curvature_rank"))
         if options.hessian == CLIENTS and not uploaded:
             raise ConfigError(NO_FACTORS)
+        if options.hessian == CLIENTS and hessian_data is not None:
+            raise ConfigError("f2l2 removal: hessian_data builds H from data; it does not combine with hessian "
+                              "'clients' (the uploaded factors)")
         source = CLIENTS if uploaded and options.hessian != SERVER and hessian_data is None else SERVER
         if source == CLIENTS:  # H₋ ≈ Σ_k (n_k/n₋)·F_kᵀF_k over the retained clients' uploaded factors
             operator = LowRankGaussNewton([(state.vectors[curvature_name(k)], n / n_rest)

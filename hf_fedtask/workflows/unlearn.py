@@ -162,8 +162,7 @@ REMOVED_MODEL = "model.safetensors"
 def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2: float | None = None,
                   rho: float | None = None, gradient: str = "auto", iterations: int = 200,
                   tolerance: float = 1e-6, trust_radius: float | None = None, hessian: str = "auto",
-                  sga_epochs: float = 1.0,
-                  sga_lr: float = 1e-3,
+                  sga_epochs: float = 1.0, sga_lr: float = 1e-3,
                   output_dir: str | Path | None = None, overwrite: bool = False) -> dict:
     """Remove client `client` from a finished F²L² run in one step and write the result (evaluated,
     exported, carded) to `output_dir` (default `<run_dir>-remove-client<K>-<method>`).
