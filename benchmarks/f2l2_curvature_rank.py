@@ -5,7 +5,7 @@
 
 Takes a finished `recipes/f2l2_backdoor.py` output folder (its `trained` and `retrained` runs, trained without
 `curvature_rank`), computes each client's factor as the run's gradient round would have with `curvature_rank`
-= max(ranks) (`hf_fedtask.model.newton.curvature_factor` over the client's own data at w₀; cached in
+= max(ranks) (`hf_fedtask.strategies.f2l2.client_curvature` over the client's own data at w₀; cached in
 `<folder>/curvature_factors_<k>/`), keeps the top k rows for each k, and removes the backdoored client with
 those factors (`hessian` clients) in the auto, retained, split, difference and target forms. Writes
 `<folder>/curvature_rank.md` and `.json`: TA and BSR of each removal (and of the removal with the server's
@@ -35,9 +35,8 @@ from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
 from hf_fedtask.engine.run import run  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run  # noqa: E402
 from hf_fedtask.engine.server import Server  # noqa: E402
-from hf_fedtask.model.newton import curvature_factor, hessian  # noqa: E402
 from hf_fedtask.strategies.base import task_model, task_point  # noqa: E402
-from hf_fedtask.strategies.f2l2 import FACTOR_JACOBIAN_BYTES, RemovalOptions  # noqa: E402
+from hf_fedtask.strategies.f2l2 import RemovalOptions, client_curvature  # noqa: E402
 
 FORMS = ("auto", "retained", "split", "difference", "target")
 QUICK = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", strategy="f2l2",
@@ -62,8 +61,7 @@ def factors(env, state, task: str, rank: int, cache: Path, clients: list[int]) -
             continue
         data = env.host.tokenize(env.partition[client][task], env.task_by_name[task])
         start = time.perf_counter()
-        with hessian(env.host, point, data, max_bytes=FACTOR_JACOBIAN_BYTES) as products:
-            out[client] = curvature_factor(products, model, rank, seed=client)
+        out[client] = client_curvature(env.host, model, point, data, rank, seed=client)
         print(f"client {client}: rank-{rank} factor in {time.perf_counter() - start:.1f} s", flush=True)
         cache.mkdir(parents=True, exist_ok=True)
         out[client].save(path)
