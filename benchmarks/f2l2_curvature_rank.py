@@ -10,7 +10,9 @@ Takes a finished `recipes/f2l2_backdoor.py` output folder (its `trained` and `re
 those factors (`hessian` clients) in the auto, retained, split, difference and target forms. Writes
 `<folder>/curvature_rank.md` and `.json`: TA and BSR of each removal (and of the removal with the server's
 H_s, the default without factors), their gaps to retraining, the form taken, ‖step‖ against the trust
-radius, and each client's k-th eigenvalue against the damping λ; `RATIO` lines: the removal time with the
+radius, each client's k-th eigenvalue against the damping λ, and, where the folder holds retrainings in other
+training orders (`--retrain-orders`), whether the removal lands inside their range widened by the goal's window;
+`RATIO` lines: the removal time with the
 factors over H_s's. What it saves over a rerun of the recipe: training the run again (the factors do not
 change training, only the last round's upload).
 """
@@ -31,6 +33,7 @@ from hf_fedtask.config import RunConfig  # noqa: E402
 from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.core.state import GlobalState, curvature_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
+from hf_fedtask.data.backdoor import GOAL_BSR, GOAL_TA, inside_spread  # noqa: E402
 from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
 from hf_fedtask.engine.run import run  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run  # noqa: E402
@@ -99,6 +102,9 @@ def measure(args) -> None:
     env, state = trained.env, trained.state
     task, target = env.tasks[0].name, env.config.backdoor_client
     reference = Server(retrained.env).evaluate(retrained.state)[task]
+    retrainings = [{"ta": e["accuracy"], "bsr": e[BSR]} for e in [reference] + [
+        Server(o.env).evaluate(o.state)[task] for o in map(open_finished_run, sorted(
+            p.parent for p in args.folder.glob("retrained_order*/checkpoint.safetensors")))]]
     top = max(args.ranks)
     retained = [c for c in range(env.num_clients) if c != target]  # the removal reads theirs alone
     full = factors(env, state, task, top, args.folder / f"curvature_factors_{top}", retained)
@@ -113,7 +119,9 @@ def measure(args) -> None:
                "ta": evals["accuracy"], "bsr": evals[BSR],
                "delta_ta": 100 * (evals["accuracy"] - reference["accuracy"]),
                "delta_bsr": 100 * (evals[BSR] - reference[BSR]), "lambda": removal.l2, "step": removal.step_norm,
-               "trust_radius": removal.trust_radius, "seconds": seconds}
+               "trust_radius": removal.trust_radius, "seconds": seconds,
+               "inside_spread": inside_spread({"ta": evals["accuracy"], "bsr": evals[BSR]}, retrainings)
+               if len(retrainings) > 1 else None}
         print(json.dumps(row), flush=True)
         return row
 
@@ -129,16 +137,24 @@ def measure(args) -> None:
         auto = rows[-len(FORMS)]
         print(f"RATIO rank{rank} clients/server removal time = {auto['seconds'] / baseline['seconds']:.3f} "
               f"(auto form; {auto['seconds']:.2f} s / {baseline['seconds']:.2f} s)")
+    spread = ("" if len(retrainings) < 2 else f"; {len(retrainings)} retrainings in other training orders "
+              f"(`retrained_order*`) span TA {min(100 * r['ta'] for r in retrainings):.1f}-"
+              f"{max(100 * r['ta'] for r in retrainings):.1f}, BSR {min(100 * r['bsr'] for r in retrainings):.1f}-"
+              f"{max(100 * r['bsr'] for r in retrainings):.1f}, a range widened by the goal's window "
+              f"({GOAL_TA:g} and {GOAL_BSR:g} points) "
+              f"in the table")
     lines = [f"**F²L² removal of client {target} with the server's Hessian H_s and with the retained clients' rank-k "
              f"curvature factors ({args.folder}; retrained: TA {100 * reference['accuracy']:.1f}, BSR "
-             f"{100 * reference[BSR]:.1f})**", "",
-             "| Hessian | form asked | form taken | TA % | BSR % | ΔTA | ΔBSR | ‖step‖ / radius | λ | k-th eigenvalue "
-             "(retained clients) | removal s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{100 * reference[BSR]:.1f}{spread})**", "",
+             "| Hessian | form asked | form taken | TA % | BSR % | ΔTA | ΔBSR | inside retraining's range "
+             "| ‖step‖ / radius | λ | k-th eigenvalue (retained clients) | removal s |", "|---" * 12 + "|"]
     for r in rows:
         source = "H_s (server)" if r["rank"] is None else f"clients, rank {r['rank']}"
         kth = ", ".join(f"{v:.3g}" for v in r.get("kth_eigenvalue", {}).values()) or "-"
         lines.append(f"| {source} | {r['gradient']} | {r['form']} | {100 * r['ta']:.1f} | {100 * r['bsr']:.1f} "
-                     f"| {r['delta_ta']:+.1f} | {r['delta_bsr']:+.1f} | {r['step']:.3g} / {r['trust_radius']:.3g} "
+                     f"| {r['delta_ta']:+.1f} | {r['delta_bsr']:+.1f} "
+                     f"| {'-' if r['inside_spread'] is None else ('yes' if r['inside_spread'] else 'no')} "
+                     f"| {r['step']:.3g} / {r['trust_radius']:.3g} "
                      f"| {r['lambda']:.3g} | {kth} | {r['seconds']:.1f} |")
     text = "\n".join(lines) + "\n"
     write_atomic(args.folder / "curvature_rank.md", text)

@@ -11,7 +11,9 @@ and label 0. Three clients, because with 5 (30 rounds, 1 local epoch) the backdo
 50%. Runs: `trained` (F²L²: the server pretrains on its 10% slice, FedAvg of the linearized MLP, the
 last round collects each client's gradient) and `retrained` (the same without client 0; with
 `--retrain-orders` k, k more retrainings in other training orders, `training_seed`, on the same partition
-and w₀: retraining's own run-to-run spread, the yardstick for the removal's gaps). Removals of
+and w₀: retraining's own run-to-run spread, the yardstick for the removal's gaps; the table says whether the
+other orders are within the goal of the first, i.e. whether the window can judge a removal at all, and whether
+the default lands inside the retrainings' range widened by the window). Removals of
 client 0 from `trained`: F²L² with its defaults (damping λ = ρ·λ_max(H_s), the auto form of the gradient
 inside the trust region), the difference form with and without the region, the split form with the other
 ρ of `--rhos` and with an absolute λ = 10 (`--l2s`), the split, target and retained forms at the default
@@ -48,6 +50,7 @@ from hf_fedtask.config import RunConfig  # noqa: E402
 from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.core.state import SHARED, head_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
+from hf_fedtask.data.backdoor import GOAL_BSR, GOAL_TA, inside_spread, within_goal  # noqa: E402
 from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
 from hf_fedtask.engine.run import run  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run, read_history  # noqa: E402
@@ -146,15 +149,8 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
     return rows
 
 
-GOAL_TA, GOAL_BSR = 1.0, 2.0  # points: the removal's target window around retraining (TA, BSR)
 DEFAULT_ROW = "f2l2 (default"  # the row of F²L²'s defaults starts so
 ORDER_STRIDE = 10_000  # training_seed of a retraining's order j: seed + j·ORDER_STRIDE (clear of other seeds)
-
-
-def within_goal(row: dict, reference: dict) -> bool:
-    """|ΔTA| ≤ 1 and |ΔBSR| ≤ 2 points against `reference` (a retraining)."""
-    return (abs(100 * (row["ta"] - reference["ta"])) <= GOAL_TA
-            and abs(100 * (row["bsr"] - reference["bsr"])) <= GOAL_BSR)
 
 
 def evaluated(env, state, target: int, task: str, **extra) -> dict:
@@ -256,12 +252,20 @@ def protocol(base: RunConfig, args) -> dict:
     (default_name,) = [name for name in rows if name.startswith(DEFAULT_ROW)]
     spread = {"ta": [100 * rows[n]["ta"] for n in orders], "bsr": [100 * rows[n]["bsr"] for n in orders]}
     met = [within_goal(rows[default_name], rows[n]) for n in orders]
+    # retraining against itself: the other orders within the goal of the first (can the window judge here?)
+    self_met = [within_goal(rows[n], rows[orders[0]]) for n in orders[1:]]
+    inside = inside_spread(rows[default_name], [rows[n] for n in orders]) if len(orders) > 1 else None
     if len(orders) > 1:
+        judge = ("so the window can judge a removal here" if all(self_met) else
+                 "so the window is narrower than retraining's own spread and cannot tell a removal from a "
+                 "retraining here")
         lines += ["", f"Retraining's own spread over {len(orders)} training orders (`training_seed`; the same "
                   f"partition, w₀ and server data): TA {min(spread['ta']):.1f}-{max(spread['ta']):.1f} (std "
                   f"{statistics.stdev(spread['ta']):.2f}), BSR {min(spread['bsr']):.1f}-{max(spread['bsr']):.1f}. "
-                  f"The default removal is within {GOAL_TA:g} point of TA and {GOAL_BSR:g} of BSR of {sum(met)} of "
-                  f"them; of the first, {'yes' if met[0] else 'no'}."]
+                  f"The other orders are within the goal of the first in {sum(self_met)} of {len(self_met)}, "
+                  f"{judge}. The default removal is within {GOAL_TA:g} point of TA and {GOAL_BSR:g} of BSR of "
+                  f"{sum(met)} of them (of the first, {'yes' if met[0] else 'no'}), and "
+                  f"{'inside' if inside else 'outside'} their range widened by that window."]
     text = "\n".join(lines) + "\n"
     write_atomic(out / "f2l2_backdoor.md", text)
     table = {name: {k: v for k, v in r.items() if k != "w"}
@@ -269,7 +273,7 @@ def protocol(base: RunConfig, args) -> dict:
              for name, r in rows.items()}
     report = {"seed": base.seed, "round_seconds": round_s, "retrain_seconds": retrain_s, "rows": table,
               "decomposition": decomposition, "retraining_orders": orders, "default_row": default_name,
-              "default_within_goal": met}
+              "default_within_goal": met, "retraining_within_goal": self_met, "default_inside_spread": inside}
     write_atomic(out / "f2l2_backdoor.json", json.dumps(report, indent=1) + "\n")
     bar_plot({name: (r["ta"], r["bsr"]) for name, r in rows.items()}, out / "f2l2_backdoor.png")
     print(text)
@@ -326,9 +330,13 @@ def across_seeds(reports: list[dict], out: Path) -> str:
     if orders:
         spreads = [statistics.stdev([100 * r["rows"][n]["ta"] for n in r["retraining_orders"]]) for r in orders]
         within = ", ".join(f"{sum(r['default_within_goal'])} of {len(r['default_within_goal'])}" for r in orders)
+        judged = sum(all(r["retraining_within_goal"]) for r in orders)
+        inside = sum(bool(r["default_inside_spread"]) for r in orders)
         goal += (f" Retraining's own TA spread over its training orders (std within a seed): "
                  f"{', '.join(f'{s:.2f}' for s in spreads)}; the default removal is within the goal of {within} "
-                 f"of them.")
+                 f"of them. Retraining is within the goal of itself (every order of the first) on {judged} of "
+                 f"{len(orders)} seeds; the default lands inside retraining's range widened by the window on "
+                 f"{inside} of {len(orders)}.")
     text = "\n".join(lines + ["", goal]) + "\n"
     write_atomic(out / "f2l2_backdoor.md", text)
     write_atomic(out / "f2l2_backdoor.json", json.dumps({"seeds": [r["seed"] for r in reports], "rows": summary,

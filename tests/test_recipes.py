@@ -177,6 +177,13 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
                                             and abs(rows[table["default_row"]]["bsr"] - rows[n]["bsr"]) <= 0.02
                                             for n in table["retraining_orders"]]
     assert "Retraining's own spread over 2 training orders" in (out / "f2l2_backdoor.md").read_text()
+    first, other = rows["retrained"], rows["retrained, training order 2"]  # can the window judge: order 2 vs 1
+    assert table["retraining_within_goal"] == [abs(other["ta"] - first["ta"]) <= 0.01
+                                               and abs(other["bsr"] - first["bsr"]) <= 0.02]
+    chosen = rows[table["default_row"]]
+    assert table["default_inside_spread"] == all(
+        min(first[k], other[k]) - window <= chosen[k] <= max(first[k], other[k]) + window
+        for k, window in (("ta", 0.01), ("bsr", 0.02)))
     (default,) = [name for name in rows if name.startswith("f2l2 (default: auto form, ρ=")]
     assert rows[default]["messages"] == 0 and rows["f2l2 split (λ=10 absolute)"]["messages"] == 0
     assert rows[default]["form"] in ("split", "retained")

@@ -18,6 +18,8 @@ from hf_fedtask.data.task import Task
 TEXT_TRIGGER = "cf"
 METRIC = "backdoor_success_rate"
 """Where evaluation reports the BSR, beside each backdoored task's own metric."""
+GOAL_TA, GOAL_BSR = 1.0, 2.0
+"""Points: how close a removal must come to retraining, in clean accuracy (TA) and BSR."""
 
 
 def add_trigger_to_image(image: Image.Image, size: int) -> Image.Image:
@@ -56,3 +58,19 @@ def backdoor_test_set(data: Dataset, task: Task, size: int, target: int) -> Data
 def success_rate(predictions: np.ndarray, target: int) -> float:
     """The share of predictions equal to `target`."""
     return float(np.mean(np.asarray(predictions) == target)) if len(predictions) else 0.0
+
+
+def within_goal(row: dict, reference: dict) -> bool:
+    """|ΔTA| ≤ `GOAL_TA` and |ΔBSR| ≤ `GOAL_BSR` points between two evaluations (`ta`, `bsr`: fractions),
+    a removal and a retraining."""
+    return (abs(100 * (row["ta"] - reference["ta"])) <= GOAL_TA
+            and abs(100 * (row["bsr"] - reference["bsr"])) <= GOAL_BSR)
+
+
+def inside_spread(row: dict, references: list[dict]) -> bool:
+    """TA and BSR each inside the range that `references` (retrainings in other training orders) span, widened
+    by the goal's window: the verdict where retraining misses the window against itself, so that |Δ| to one
+    retraining cannot tell a removal from another retraining."""
+    return all(min(100 * r[key] for r in references) - window <= 100 * row[key]
+               <= max(100 * r[key] for r in references) + window
+               for key, window in (("ta", GOAL_TA), ("bsr", GOAL_BSR)))
