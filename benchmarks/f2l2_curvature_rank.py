@@ -102,9 +102,9 @@ def measure(args) -> None:
     env, state = trained.env, trained.state
     task, target = env.tasks[0].name, env.config.backdoor_client
     reference = Server(retrained.env).evaluate(retrained.state)[task]
-    retrainings = [{"ta": e["accuracy"], "bsr": e[BSR]} for e in [reference] + [
-        Server(o.env).evaluate(o.state)[task] for o in map(open_finished_run, sorted(
-            p.parent for p in args.folder.glob("retrained_order*/checkpoint.safetensors")))]]
+    others = sorted(p.parent for p in args.folder.glob("retrained_order*/checkpoint.safetensors"))  # --retrain-orders
+    evals = [reference] + [Server(o.env).evaluate(o.state)[task] for o in map(open_finished_run, others)]
+    retrainings = [{"ta": e["accuracy"], "bsr": e[BSR]} for e in evals]
     top = max(args.ranks)
     retained = [c for c in range(env.num_clients) if c != target]  # the removal reads theirs alone
     full = factors(env, state, task, top, args.folder / f"curvature_factors_{top}", retained)
@@ -119,9 +119,8 @@ def measure(args) -> None:
                "ta": evals["accuracy"], "bsr": evals[BSR],
                "delta_ta": 100 * (evals["accuracy"] - reference["accuracy"]),
                "delta_bsr": 100 * (evals[BSR] - reference[BSR]), "lambda": removal.l2, "step": removal.step_norm,
-               "trust_radius": removal.trust_radius, "seconds": seconds,
-               "inside_spread": inside_spread({"ta": evals["accuracy"], "bsr": evals[BSR]}, retrainings)
-               if len(retrainings) > 1 else None}
+               "trust_radius": removal.trust_radius, "seconds": seconds}
+        row["inside_spread"] = inside_spread(row, retrainings) if len(retrainings) > 1 else None
         print(json.dumps(row), flush=True)
         return row
 
@@ -137,12 +136,10 @@ def measure(args) -> None:
         auto = rows[-len(FORMS)]
         print(f"RATIO rank{rank} clients/server removal time = {auto['seconds'] / baseline['seconds']:.3f} "
               f"(auto form; {auto['seconds']:.2f} s / {baseline['seconds']:.2f} s)")
+    ta, bsr = ([100 * r[key] for r in retrainings] for key in ("ta", "bsr"))
     spread = ("" if len(retrainings) < 2 else f"; {len(retrainings)} retrainings in other training orders "
-              f"(`retrained_order*`) span TA {min(100 * r['ta'] for r in retrainings):.1f}-"
-              f"{max(100 * r['ta'] for r in retrainings):.1f}, BSR {min(100 * r['bsr'] for r in retrainings):.1f}-"
-              f"{max(100 * r['bsr'] for r in retrainings):.1f}, a range widened by the goal's window "
-              f"({GOAL_TA:g} and {GOAL_BSR:g} points) "
-              f"in the table")
+              f"(`retrained_order*`) span TA {min(ta):.1f}-{max(ta):.1f}, BSR {min(bsr):.1f}-{max(bsr):.1f}, a range "
+              f"widened by the goal's window ({GOAL_TA:g} and {GOAL_BSR:g} points) in the table")
     lines = [f"**F²L² removal of client {target} with the server's Hessian H_s and with the retained clients' rank-k "
              f"curvature factors ({args.folder}; retrained: TA {100 * reference['accuracy']:.1f}, BSR "
              f"{100 * reference[BSR]:.1f}{spread})**", "",
