@@ -137,7 +137,7 @@ def measure(args) -> None:
         print(f"RATIO rank{rank} clients/server removal time = {auto['seconds'] / baseline['seconds']:.3f} "
               f"(auto form; {auto['seconds']:.2f} s / {baseline['seconds']:.2f} s)")
     ta, bsr = ([100 * r[key] for r in retrainings] for key in ("ta", "bsr"))
-    spread = ("" if len(retrainings) < 2 else f"; {len(retrainings)} retrainings in other training orders "
+    spread = ("" if len(retrainings) < 2 else f"; it and {len(others)} retrainings in other training orders "
               f"(`retrained_order*`) span TA {min(ta):.1f}-{max(ta):.1f}, BSR {min(bsr):.1f}-{max(bsr):.1f}, a range "
               f"widened by the goal's window ({GOAL_TA:g} and {GOAL_BSR:g} points) in the table")
     lines = [f"**F²L² removal of client {target} with the server's Hessian H_s and with the retained clients' rank-k "
