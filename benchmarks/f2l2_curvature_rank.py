@@ -41,7 +41,7 @@ from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.strategies.base import task_model, task_point  # noqa: E402
 from hf_fedtask.strategies.f2l2 import RemovalOptions, client_curvature  # noqa: E402
 
-FORMS = ("auto", "retained", "split", "difference", "target")
+FORMS = ("auto", "retained", "split", "anchored", "difference", "target")
 QUICK = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", strategy="f2l2",
              strategy_options={"pretrain_epochs": 5}, num_clients=3, rounds=4, local_epochs=1.0, batch_size=32,
              learning_rate=3e-4, lr_scheduler="constant", backdoor_client=0, backdoor_trigger=3, export=False)

@@ -360,9 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient", choices=GRADIENT_FORMS, default=None,
                    help="f2l2: g split between the retained clients' gradient where the server's Hessian has "
                         "curvature and the client's share where it has none, if the client's share fits the trust "
-                        "region, else the retained clients' (auto, the default); split; the client's share "
-                        "(difference); from the removed client's gradient alone (target, the paper's); or from "
-                        "the retained clients' (retained)")
+                        "region, else the retained clients' (auto, the default; with the clients' complete "
+                        "curvature factors, anchored); split; the retained objective's Newton step damped toward "
+                        "w0, not w* (anchored); the client's share (difference); from the removed client's "
+                        "gradient alone (target, the paper's); or from the retained clients' (retained)")
     p.add_argument("--cg-iterations", type=int, default=None, help="f2l2: conjugate-gradient iterations at most (200)")
     p.add_argument("--cg-tolerance", type=float, default=None, help="f2l2: stop at this relative residual (1e-6)")
     p.add_argument("--trust-radius", type=float, default=None,

@@ -17,7 +17,7 @@ the default lands inside the retrainings' range widened by the window). Removals
 client 0 from `trained`: F²L² with its defaults (damping λ = ρ·λ_max(H_s), the auto form of the gradient
 inside the trust region), the difference form with and without the region, the split form with the other
 ρ of `--rhos` and with an absolute λ = 10 (`--l2s`), the split, target and retained forms at the default
-damping (the difference, target and retained forms swept over `--rhos` too with `--forms`), and the SGA
+damping (the anchored, difference, target and retained forms swept over `--rhos` too with `--forms`), and the SGA
 baseline (the client ascends its own loss); the project's own
 removal, `--negation-rounds` of federated negation after a FedAvg run on the same data, as another. Writes
 `<output_dir>/f2l2_backdoor.md` (clean test accuracy TA, backdoor success rate BSR on triggered
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
                         help="F²L² removals with λ = ρ·λ_max(H_s) for these ρ besides the run's default")
     parser.add_argument("--l2s", type=float, nargs="*", default=list(L2S),
                         help="F²L² removals with these absolute λ (the former default: 10)")
-    parser.add_argument("--forms", nargs="*", choices=["difference", "target", "retained"], default=[],
+    parser.add_argument("--forms", nargs="*", choices=["anchored", "difference", "target", "retained"], default=[],
                         help="gradient forms to sweep over --rhos besides the split form (which always is)")
     parser.add_argument("--retrain-orders", type=int, default=2,
                         help="more retrainings in other training orders (`training_seed`), which measure "

@@ -17,7 +17,7 @@ from datasets import concatenate_datasets
 from hf_fedtask.cli import main
 from hf_fedtask.client.objectives import AnchoredRidge
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SHARED, curvature_name, gradient_name, head_name
+from hf_fedtask.core.state import SHARED, GlobalState, curvature_name, gradient_name, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
@@ -39,7 +39,7 @@ from hf_fedtask.model.newton import (
     solve_within_radius,
 )
 from hf_fedtask.strategies.base import task_model, task_point
-from hf_fedtask.strategies.f2l2 import RemovalOptions
+from hf_fedtask.strategies.f2l2 import COMPLETE_TAIL, RemovalOptions
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
 
 DIGITS = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", batch_size=32,
@@ -228,14 +228,30 @@ def test_the_clients_curvature_factors_give_the_removal_the_retained_clients_own
         raise AssertionError("a client was contacted during the removal")
 
     monkeypatch.setattr(ClientRuntime, "handle", refuse)
-    removal = strategy.remove_client(state, env, 0)
-    assert removal.hessian == "clients"
+    removal = strategy.remove_client(state, env, 0)  # complete factors: auto takes the anchored form
+    assert removal.hessian == "clients" and removal.form == "anchored"
+    assert removal.curvature_tail <= COMPLETE_TAIL * removal.l2
     retained = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in (1, 2)]),
                                  env.task_by_name[task])
-    own = strategy.remove_client(state, env, 0, hessian_data=retained)
-    assert own.hessian == "server" and removal.l2 == pytest.approx(own.l2, rel=1e-3) and removal.form == own.form
+    own = strategy.remove_client(state, env, 0, RemovalOptions(gradient="anchored"), hessian_data=retained)
+    assert own.hessian == "server" and removal.l2 == pytest.approx(own.l2, rel=1e-3) and own.form == "anchored"
     got, want = task_model(removal.state.vectors, task), task_model(own.state.vectors, task)
     assert (got - want).norm() <= 1e-3 * own.step_norm
+    # the anchored step as a dense float64 solve: w₀ − (H₋ + λI)⁻¹·(ĝ₋ − H₋·(w* − w₀)), H₋ from the factors
+    samples = {int(c): int(n) for c, n in state.scalars["gradient_samples"].items()}
+    rest = samples[1] + samples[2]
+    with LowRankGaussNewton([(state.vectors[curvature_name(k)], samples[k] / rest) for k in (1, 2)]) as products:
+        factors, keys = products.matrix.double(), list(products.shapes)
+    flat = lambda tv: TaskVector({k: tv[k] for k in keys}).flatten().double()  # noqa: E731
+    h = factors.T @ factors
+    g = sum(flat(state.vectors[gradient_name(k)]) * (samples[k] / rest) for k in (1, 2))
+    w, w0 = flat(model), flat(task_point(state.vectors, task))
+    anchored = w0 - torch.linalg.solve(h + removal.l2 * torch.eye(len(h), dtype=torch.float64), g - h @ (w - w0))
+    torch.testing.assert_close(flat(got), anchored, rtol=0, atol=1e-4 * float((w - anchored).norm()))
+    one_row = GlobalState(state.round, {**state.vectors, **{curvature_name(k): TaskVector(
+        {n: t[:1] for n, t in state.vectors[curvature_name(k)].items()}) for k in range(3)}}, state.scalars)
+    truncated = strategy.remove_client(one_row, env, 0)  # a factor that leaves curvature out: split or retained
+    assert truncated.form in ("split", "retained") and truncated.curvature_tail > COMPLETE_TAIL * truncated.l2
     raw = dict(gradient="retained", trust_radius=0.0)  # the Newton step as it is, where the Hessians show
     clients, own = (strategy.remove_client(state, env, 0, RemovalOptions(**raw), hessian_data=data)
                     for data in (None, retained))
@@ -245,6 +261,7 @@ def test_the_clients_curvature_factors_give_the_removal_the_retained_clients_own
     assert (task_model(server.state.vectors, task) - want).norm() > 0.05 * own.step_norm
     out = remove_client(tmp_path / "run", 0, output_dir=tmp_path / "removed")["unlearning"]
     assert out["hessian"] == "clients" and out["client_messages"] == 0 and "uploaded" in out["how"]
+    assert out["form"] == "anchored" and "w₀ − (H₋ + λI)⁻¹" in out["how"] and "leave out" in out["how"]
 
 
 def test_the_clients_hessian_needs_their_factors(backdoored, tmp_path):
@@ -367,6 +384,13 @@ def test_the_trust_region_raises_the_damping_until_the_step_fits():
         assert torch.allclose(x["w"], direct(info.damping), rtol=1e-6, atol=1e-12)
     x, info = solve_within_radius(apply, b, damping=1e-4, radius=0.0, iterations=400, tolerance=1e-12)
     assert info.solves == 1 and torch.allclose(x["w"], direct(1e-4), rtol=1e-6)
+    first = direct(1e-4)  # a step measured from elsewhere: the region bounds ‖offset + x‖, not ‖x‖
+    offset, radius = TaskVector({"w": -0.9 * first}), 0.5 * float(first.norm())
+    x, info = solve_within_radius(apply, b, damping=1e-4, radius=radius, iterations=400, tolerance=1e-12,
+                                  offset=offset)
+    assert info.damping == 1e-4 and info.solves == 1 and (offset + x).norm() <= radius < x.norm()
+    x, info = solve_within_radius(apply, b, damping=1e-4, radius=radius, iterations=400, tolerance=1e-12)
+    assert info.damping > 1e-4 and x.norm() <= radius
 
 
 def test_the_removal_step_stays_inside_its_trust_region(backdoored):

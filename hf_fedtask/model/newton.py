@@ -212,18 +212,19 @@ class TrustInfo:
 
 
 def solve_within_radius(apply: Callable[[TaskVector], TaskVector], b: TaskVector, *, damping: float, radius: float,
-                        iterations: int = 100, tolerance: float = 1e-6,
-                        max_solves: int = 12) -> tuple[TaskVector, TrustInfo]:
+                        iterations: int = 100, tolerance: float = 1e-6, max_solves: int = 12,
+                        offset: TaskVector | None = None) -> tuple[TaskVector, TrustInfo]:
     """x = (A + λ·I)⁻¹·b with about the smallest λ ≥ `damping` for which ‖x‖ ≤ `radius` (a Levenberg-Marquardt
     trust region; ‖x(λ)‖ falls monotonically with λ). The first solve uses `damping`; while the step is
     too long, λ grows along the secant of log ‖x‖ against log λ (slope clipped to [1/4, 1]; 1 at first,
     the flat directions' ‖x‖ ∝ 1/λ), aiming at 0.95·radius; once a step fits, log λ is bisected between
     the last λ too small and the first that fits. It stops at a step within [0.8, 1]·radius, or after
     `max_solves` with the fitting step of the smallest λ found (λ raised 100-fold if none fitted).
-    `radius` ≤ 0: no region, one solve."""
+    `radius` ≤ 0: no region, one solve. With `offset` the region bounds ‖offset + x‖ instead (a step that
+    starts from elsewhere, e.g. F²L²'s anchored form, solved from w₀ and measured from w*)."""
     def solve(lam: float):
         x, info = conjugate_gradient(apply, b, damping=lam, iterations=iterations, tolerance=tolerance)
-        return lam, x, info, x.norm()
+        return lam, x, info, (x if offset is None else offset + x).norm()
 
     low = solve(damping)  # (λ, x, info, ‖x‖), the largest λ known to give too long a step
     solves = 1

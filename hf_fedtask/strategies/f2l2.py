@@ -44,7 +44,20 @@ takes the split form when the difference step at the damping's λ fits the trust
 form, solved within the region, when it does not: the difference step divides the client's own gradient by
 H_s + λI, and where the server's slice does not cover what the client's data move, it grows like 1/λ, a
 share H_s cannot vouch for. `split` asked for by name takes the client's share within the region (λ raised
-until the difference step fits) and the whole step at that λ. On the paper's MLP (six seeds) the split
+until the difference step fits) and the whole step at that λ.
+A fifth form, `anchored`, damps toward w₀ instead of w*: w₋ = w₀ − (H + λI)⁻¹·(ĝ₋ − H·(w* − w₀)), ĝ₋ the
+retained form, the minimizer of the retained objective's quadratic model plus (λ/2)·‖w − w₀‖², a ridge fit
+of the retained clients' objective from where training started (a trust region on ‖w* − w₋‖ as for the
+other forms). Gradient steps on the linearized model from w₀ move only within H₋'s range, so retraining
+leaves w₀ alone where no retained datum has curvature, and where it moves there at all it is the
+optimizer's path, not the data, that decides (on single-word text tasks retrainings in other orders end
+farther apart than training moved); the anchored step returns those directions to w₀ and removes what the
+client taught there with them. It needs the retained clients' whole curvature: with H_s or a truncated
+factor, "no curvature in H" does not mean no retained datum uses the direction, and on the paper's MLP
+(whose spectrum keeps a long tail at any rank a client can upload) it costs 3-4 points of accuracy. So
+`auto` takes it when H is the clients' factors and they leave out at most `COMPLETE_TAIL` of λ
+(Σ_k (n_k/n₋)·h_k over their k-th eigenvalues: the truncation is below the damping's resolution), and
+decides between split and retained as above otherwise. On the paper's MLP (six seeds) the split
 step lands within a point of clean accuracy and two of BSR of retraining, where the difference form loses
 1-2 points of accuracy and the retained form keeps a fifth of the backdoor; on a text probe with a 320-text
 slice the difference step is 3.3-4.4 times the radius (three seeds), and the split step would cost 6 points
@@ -90,7 +103,8 @@ from hf_fedtask.strategies.configs import AUTO, GRADIENT_FORMS, HESSIANS, F2L2Co
 from hf_fedtask.strategies.fedavg import delta_update
 
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
-SPLIT = "split"
+SPLIT, ANCHORED = "split", "anchored"
+COMPLETE_TAIL = 0.01  # auto takes the anchored form where the factors' tail is at most this share of λ
 GRADIENT_QUERY = "data_gradient"
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 SERVER, CLIENTS = HESSIANS[1:]  # the removal's Hessian: the server's slice H_s, the clients' factors
@@ -112,13 +126,20 @@ def client_curvature(host, model: TaskVector, point: TaskVector, data, rank: int
         return curvature_factor(products, model, rank, seed=seed)
 
 
+def factor_tail(factor: TaskVector) -> float:
+    """The smallest eigenvalue a curvature factor keeps (its last row's squared norm; 0 where the client's
+    Hessian has fewer eigenvalues than the rank, `curvature_factor` pads with zero rows): a bound on the
+    curvature it leaves out in any direction."""
+    return float(sum(t[-1].double().pow(2).sum() for t in factor.values()))
+
+
 @dataclass(frozen=True)
 class RemovalOptions:
     """How `F2L2.remove_client` takes its Newton step, checked on construction (wherever the values come
     from: the API, the CLI, a recipe): the damping, `rho` for λ = ρ·λ_max(H_s) or `l2` for an absolute λ
     (at most one; neither: the run's `removal_damping` with its `removal_rho` / `removal_l2`), `gradient`
-    the form of g₋ (`GRADIENT_FORMS`; `auto` picks split or retained by the trust region, see the module
-    docstring), at most `iterations` conjugate-gradient iterations (at least one) and the relative residual
+    the form of g₋ (`GRADIENT_FORMS`; `auto` picks anchored where the clients' factors are complete, else
+    split or retained by the trust region, see the module docstring), at most `iterations` conjugate-gradient iterations (at least one) and the relative residual
     `tolerance` at which they stop, and `trust_radius` the cap on the step's norm as a multiple of ‖w* − w₀‖
     (None: the run's `removal_trust_radius`; 0: none), and `hessian` where H comes from: `clients`, the
     retained clients' curvature factors (a run with `curvature_rank` > 0), `server`, the server's slice H_s,
@@ -160,8 +181,9 @@ class RemovalResult:
     """What `F2L2.remove_client` did: the new state, the damping λ it used (`damping` relative: ρ·λ_max,
     with λ_max(H_s) and the Lanczos products it took; absolute: λ as given; objective: l2 + λ_r; raised from
     `untrusted_l2` where the step would have left the trust region), the form of g₋ asked for (`gradient`) and
-    the one taken (`form`: `auto` takes split or retained; `difference_step`, the difference form's step
-    that decided or that split took, else None) and how the solves went."""
+    the one taken (`form`: `auto` takes anchored, split or retained; `difference_step`, the difference
+    form's step that decided or that split took, else None; `curvature_tail`, with the clients' factors, what
+    they leave out, which decided anchored) and how the solves went."""
 
     state: GlobalState
     client: int
@@ -181,6 +203,7 @@ class RemovalResult:
     form: str = ""  # the form of g₋ the step took (`gradient`, or what `auto` chose)
     difference_step: float | None = None  # auto and split: ‖step‖ of the difference form (auto: at the damping's λ)
     hessian: str = SERVER  # the Hessian the step took: the server's slice or the retained clients' factors
+    curvature_tail: float | None = None  # clients' factors: Σ (n_k/n₋)·(k-th eigenvalue), what they leave out
 
 
 @register_strategy
@@ -374,8 +397,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         """w₋ = w* − (H_s + λI)⁻¹·g₋ from the final state and the server's data alone (no client is
         contacted), as `options` say (`RemovalOptions`: by default the run's damping, λ = ρ·λ_max(H_s)
         with λ_max by Lanczos over the same Hessian-vector products CG uses, and the auto form of g₋: the
-        split form where the difference step fits the trust region, else the retained form; see the module
-        docstring). `hessian_data`: prepared data to build H from
+        anchored form where the clients' factors leave out at most `COMPLETE_TAIL`·λ, else the split form
+        where the difference step fits the trust region, else the retained form; see the module docstring). `hessian_data`: prepared data to build H from
         instead of D_s, for measurement only (the retained clients' data give the step the approximation
         H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import (
@@ -436,13 +459,22 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                               "run's removal_trust_radius is 0; give trust_radius > 0 or a form (difference, "
                               "target, retained)")
         radius = factor * (w - w0).norm()
+        tail = None if source == SERVER else sum(
+            factor_tail(state.vectors[curvature_name(k)]) * n / n_rest for k, n in samples.items() if k != client)
         with operator as products:
             if damping == RELATIVE:
                 lambda_max, eigen = largest_eigenvalue(products, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations
             solve = dict(iterations=options.iterations, tolerance=options.tolerance)
             form, difference_step, trust, tried = gradient, None, None, 0
-            if gradient in (AUTO, SPLIT):  # the split form where the server's Hessian vouches for the client's
+            if gradient == AUTO and tail is not None and tail <= COMPLETE_TAIL * lam:
+                form = ANCHORED  # the factors hold the retained clients' whole curvature at λ's resolution
+            if form == ANCHORED:  # w₋ = w₀ − (H + λI)⁻¹·(ĝ₋ − H·(w* − w₀)): a damped Newton step from w₀
+                moved = w - w0
+                from_w0, trust = solve_within_radius(products, forms["retained"]() - products(moved), damping=lam,
+                                                     radius=radius, offset=moved, **solve)
+                step, g = moved + from_w0, forms["retained"]()
+            elif gradient in (AUTO, SPLIT):  # the split form where the server's Hessian vouches for the client's
                 # share (its difference step fits the trust region), else (auto) the retained form
                 if gradient == AUTO:
                     share, info = conjugate_gradient(products, forms["difference"](), damping=lam, **solve)
@@ -469,4 +501,4 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
                              g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
-                             trust.solves + tried, form, difference_step, source)
+                             trust.solves + tried, form, difference_step, source, tail)

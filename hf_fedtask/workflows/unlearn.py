@@ -43,7 +43,7 @@ from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.export.artifacts import export_adapters
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.base import task_model
-from hf_fedtask.strategies.f2l2 import CLIENTS, NO_FACTORS, RemovalOptions
+from hf_fedtask.strategies.f2l2 import CLIENTS, COMPLETE_TAIL, NO_FACTORS, RemovalOptions
 
 
 def _run_name_part(name: str) -> str:
@@ -213,7 +213,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm,
                    "trust_radius": removal.trust_radius, "untrusted_l2": removal.untrusted_l2,
                    "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state),
-                   "hessian": removal.hessian}
+                   "hessian": removal.hessian, "curvature_tail": removal.curvature_tail}
         h = "H₋" if removal.hessian == "clients" else "H_s"
         if removal.damping == "relative":
             scale = f" = ρ·λ_max({h}) = {removal.rho:g} × {removal.lambda_max:.4g}"
@@ -224,13 +224,17 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
             scale = (f", raised from {removal.untrusted_l2:.4g}{scale} until the step fitted the trust region "
                      f"‖step‖ ≤ {removal.trust_radius:.4g} ({removal.solves} solves)")
         form = f"{removal.form} form of g"
-        if removal.gradient == "auto":
+        if removal.gradient == "auto" and removal.form == "anchored":
+            form += (f" (auto: the clients' factors leave out {removal.curvature_tail:.3g} of curvature, at most "
+                     f"{COMPLETE_TAIL:g}·λ)")
+        elif removal.gradient == "auto":
             fit = "fitted" if removal.form == "split" else "did not fit"
             form += (f" (auto: the difference form's step, {removal.difference_step:.4g}, {fit} the trust region "
                      f"{removal.trust_radius:.4g})")
         source = ("H₋ the retained clients' Hessian from the curvature factors they uploaded with their last-round "
                   "gradients" if removal.hessian == "clients" else "H_s the Hessian on the server's own data")
-        how = (f"one Newton step on the server, w − ({h} + λI)⁻¹·g, {source}, with λ = {removal.l2:.4g}{scale} and "
+        newton = (f"w₀ − ({h} + λI)⁻¹·(g − {h}·(w − w₀))" if removal.form == "anchored" else f"w − ({h} + λI)⁻¹·g")
+        how = (f"one Newton step on the server, {newton}, {source}, with λ = {removal.l2:.4g}{scale} and "
                f"the {form}, solved by conjugate gradient ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
     else:
