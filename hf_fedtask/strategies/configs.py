@@ -102,7 +102,8 @@ class NTKFedProxConfig(NTKFedAvgConfig, FedProxConfig):
 
 
 AUTO = "auto"
-GRADIENT_FORMS = (AUTO, "split", "anchored", "difference", "target", "retained")  # F²L²'s forms of g₋ (`strategies.f2l2`)
+# F²L²'s forms of g₋ (`strategies.f2l2`)
+GRADIENT_FORMS = (AUTO, "split", "anchored", "difference", "target", "retained")
 HESSIANS = (AUTO, "server", "clients")  # where F²L²'s removal Hessian comes from (`strategies.f2l2`)
 
 

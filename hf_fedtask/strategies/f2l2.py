@@ -139,9 +139,10 @@ class RemovalOptions:
     from: the API, the CLI, a recipe): the damping, `rho` for λ = ρ·λ_max(H_s) or `l2` for an absolute λ
     (at most one; neither: the run's `removal_damping` with its `removal_rho` / `removal_l2`), `gradient`
     the form of g₋ (`GRADIENT_FORMS`; `auto` picks anchored where the clients' factors are complete, else
-    split or retained by the trust region, see the module docstring), at most `iterations` conjugate-gradient iterations (at least one) and the relative residual
-    `tolerance` at which they stop, and `trust_radius` the cap on the step's norm as a multiple of ‖w* − w₀‖
-    (None: the run's `removal_trust_radius`; 0: none), and `hessian` where H comes from: `clients`, the
+    split or retained by the trust region, see the module docstring), at most `iterations`
+    conjugate-gradient iterations (at least one) and the relative residual `tolerance` at which they stop,
+    and `trust_radius` the cap on the step's norm as a multiple of ‖w* − w₀‖ (None: the run's
+    `removal_trust_radius`; 0: none), and `hessian` where H comes from: `clients`, the
     retained clients' curvature factors (a run with `curvature_rank` > 0), `server`, the server's slice H_s,
     or `auto`, the clients' factors where the run has them."""
 
@@ -398,9 +399,9 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         contacted), as `options` say (`RemovalOptions`: by default the run's damping, λ = ρ·λ_max(H_s)
         with λ_max by Lanczos over the same Hessian-vector products CG uses, and the auto form of g₋: the
         anchored form where the clients' factors leave out at most `COMPLETE_TAIL`·λ, else the split form
-        where the difference step fits the trust region, else the retained form; see the module docstring). `hessian_data`: prepared data to build H from
-        instead of D_s, for measurement only (the retained clients' data give the step the approximation
-        H_s ≈ H₋ stands in for)."""
+        where the difference step fits the trust region, else the retained form; see the module docstring).
+        `hessian_data`: prepared data to build H from instead of D_s, for measurement only (the retained
+        clients' data give the step the approximation H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import (
             LowRankGaussNewton,
             TrustInfo,
