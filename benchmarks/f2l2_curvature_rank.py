@@ -7,7 +7,7 @@ Takes a finished `recipes/f2l2_backdoor.py` output folder (its `trained` and `re
 `curvature_rank`), computes each client's factor as the run's gradient round would have with `curvature_rank`
 = max(ranks) (`hf_fedtask.strategies.f2l2.client_curvature` over the client's own data at w₀; cached in
 `<folder>/curvature_factors_<k>/`), keeps the top k rows for each k, and removes the backdoored client with
-those factors (`hessian` clients) in the auto, retained, split, difference and target forms. Writes
+those factors (`hessian` clients) in the auto, retained, split, anchored, difference and target forms. Writes
 `<folder>/curvature_rank.md` and `.json`: TA and BSR of each removal (and of the removal with the server's
 H_s, the default without factors), their gaps to retraining, the form taken, ‖step‖ against the trust
 radius, each client's k-th eigenvalue against the damping λ, and, where the folder holds retrainings in other
