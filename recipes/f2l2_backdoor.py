@@ -33,6 +33,7 @@ rest, `f2l2_backdoor.json` and
 on how many seeds it is within the goal (TA within 1 point and BSR within 2 of that seed's retraining).
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -208,13 +209,16 @@ def protocol(base: RunConfig, args) -> dict:
     retained_data = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
                                       env.task_by_name[task])
     # both at the default damping as it is, in the form the default removal took: the Hessians' gap alone
-    raw = RemovalOptions(gradient=rows[next(iter(plan))]["form"], trust_radius=0.0, hessian="server")
+    first = rows[next(iter(plan))]
+    raw = RemovalOptions(gradient=first["form"], trust_radius=0.0, hessian="server")
     oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
-    default = env.strategy.remove_client(trained.state, env, target, raw)
+    default = env.strategy.remove_client(trained.state, env, target,  # with the Hessian the default took
+                                         dataclasses.replace(raw, hessian=first["hessian"] or "server"))
     rows["f2l2 default form and damping, the retained clients' own Hessian (simulation only)"] = evaluated(
         env, oracle.state, target, task, w=model_of(oracle.state, task), form=oracle.form, hessian="retained data",
         **{"lambda": oracle.l2})
-    decomposition = {"form": default.form, "lambda": default.l2, "lambda_max": default.lambda_max,
+    decomposition = {"form": default.form, "hessian": default.hessian, "lambda": default.l2,
+                     "lambda_max": default.lambda_max,
                      "rho": default.rho,
                      "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
                      "exact_step_to_retrain": (model_of(oracle.state, task) - rows["retrained"]["w"]).norm(),
@@ -244,9 +248,11 @@ def protocol(base: RunConfig, args) -> dict:
                      f"| {distance} | {r.get('form') or '-'} | {r.get('hessian') or '-'} | {lam} | {timing} | {share} "
                      f"| {messages} |")
     d = decomposition
+    stand_in = ("H_s from the server's slice" if d["hessian"] == "server" else
+                "H₋ from the curvature factors the clients uploaded")
     lines += ["", f"Where the distance to retraining comes from ({d['form']} form, λ = {d['lambda']:.4g}): "
-              f"‖w_F²L² − w_exact‖ = {d['hessian_error']:.3f} is the Hessian approximation (H_s from the server's "
-              f"slice instead of the retained clients' H₋), ‖w_exact − w_retrain‖ = "
+              f"‖w_F²L² − w_exact‖ = {d['hessian_error']:.3f} is the Hessian approximation ({stand_in} instead "
+              f"of the retained clients' H₋ from their data), ‖w_exact − w_retrain‖ = "
               f"{d['exact_step_to_retrain']:.3f} is the rest "
               f"(training not at its optimum, the damping λ); ‖w_F²L² − w_retrain‖ = {d['f2l2_to_retrain']:.3f}."]
     (default_name,) = [name for name in rows if name.startswith(DEFAULT_ROW)]

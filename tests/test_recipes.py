@@ -192,7 +192,7 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     assert (rows["FedAvg + negation (1 rounds)"]["messages"] == 3
             and rows["FedAvg trained"]["distance_to_retrain"] is None)
     decomposition = table["decomposition"]  # the default removal's damping and form: λ = ρ·λ_max(H_s)
-    assert decomposition["form"] == rows[default]["form"]
+    assert decomposition["form"] == rows[default]["form"] and decomposition["hessian"] == "server"  # no factors
     (oracle,) = [name for name in rows if name.endswith("the retained clients' own Hessian (simulation only)")]
     assert rows[oracle]["form"] == rows[default]["form"] and rows[oracle]["distance_to_retrain"] == pytest.approx(
         decomposition["exact_step_to_retrain"], rel=1e-6)
