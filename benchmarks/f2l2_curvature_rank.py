@@ -119,7 +119,7 @@ def measure(args) -> None:
                "ta": evals["accuracy"], "bsr": evals[BSR],
                "delta_ta": 100 * (evals["accuracy"] - reference["accuracy"]),
                "delta_bsr": 100 * (evals[BSR] - reference[BSR]), "lambda": removal.l2, "step": removal.step_norm,
-               "trust_radius": removal.trust_radius, "seconds": seconds}
+               "trust_radius": removal.trust_radius, "curvature_tail": removal.curvature_tail, "seconds": seconds}
         row["inside_spread"] = inside_spread(row, retrainings) if len(retrainings) > 1 else None
         print(json.dumps(row), flush=True)
         return row

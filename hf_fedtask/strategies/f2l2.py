@@ -471,10 +471,10 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             if gradient == AUTO and tail is not None and tail <= COMPLETE_TAIL * lam:
                 form = ANCHORED  # the factors hold the retained clients' whole curvature at λ's resolution
             if form == ANCHORED:  # w₋ = w₀ − (H + λI)⁻¹·(ĝ₋ − H·(w* − w₀)): a damped Newton step from w₀
-                moved = w - w0
-                from_w0, trust = solve_within_radius(products, forms["retained"]() - products(moved), damping=lam,
-                                                     radius=radius, offset=moved, **solve)
-                step, g = moved + from_w0, forms["retained"]()
+                moved, g = w - w0, forms["retained"]()
+                from_w0, trust = solve_within_radius(products, g - products(moved), damping=lam, radius=radius,
+                                                     offset=moved, **solve)
+                step = moved + from_w0
             elif gradient in (AUTO, SPLIT):  # the split form where the server's Hessian vouches for the client's
                 # share (its difference step fits the trust region), else (auto) the retained form
                 if gradient == AUTO:
