@@ -17,7 +17,7 @@ from datasets import concatenate_datasets
 from hf_fedtask.cli import main
 from hf_fedtask.client.objectives import AnchoredRidge
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SHARED, GlobalState, curvature_name, gradient_name, head_name
+from hf_fedtask.core.state import SERVER_CURVATURE, SHARED, GlobalState, curvature_name, gradient_name, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
@@ -31,6 +31,7 @@ from hf_fedtask.model.newton import (
     GaussNewton,
     JacobianGaussNewton,
     LowRankGaussNewton,
+    SpectralPreconditioner,
     conjugate_gradient,
     curvature_factor,
     data_gradient,
@@ -202,6 +203,43 @@ def test_a_curvature_factor_is_the_best_low_rank_approximation_and_sums_into_one
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
+def test_a_spectral_preconditioner_keeps_cg_exact_and_cuts_its_iterations():
+    """Preconditioned CG with `SpectralPreconditioner` from a rank-k factor solves (A + λI)·x = b to the
+    direct solution, in a few iterations where plain CG takes dozens (a Hessian-like spectrum, λ at 0.002 of
+    λ_max); with a lower-rank factor of a perturbed matrix it is slower but still exact (M⁻¹ stays positive
+    definite)."""
+    gen = torch.Generator().manual_seed(4)
+    basis, _ = torch.linalg.qr(torch.randn(200, 200, generator=gen, dtype=torch.float64))
+    template = TaskVector({"a": torch.zeros(120), "b": torch.zeros(8, 10)})
+    spectrum = 5000.0 * 0.93 ** torch.arange(200, dtype=torch.float64)
+    matrix = (basis * spectrum) @ basis.T
+
+    def operator(m):
+        return lambda v: TaskVector.unflatten((m @ v.flatten().double()).float(), template)
+
+    lam = 0.002 * float(spectrum[0])
+    b = TaskVector({k: torch.randn(t.shape, generator=gen) for k, t in template.items()})
+    direct = torch.linalg.solve(matrix + lam * torch.eye(200, dtype=torch.float64), b.flatten().double())
+    plain, plain_info = conjugate_gradient(operator(matrix), b, damping=lam, iterations=300, tolerance=1e-6)
+    factor = curvature_factor(operator(matrix), template, 80)
+    preconditioner = SpectralPreconditioner(factor)
+    assert preconditioner.largest == pytest.approx(float(spectrum[0]), rel=1e-5)
+    fast, fast_info = conjugate_gradient(operator(matrix), b, damping=lam, iterations=300, tolerance=1e-6,
+                                         preconditioner=preconditioner)
+    for x in (plain, fast):
+        torch.testing.assert_close(x.flatten().double(), direct, rtol=1e-4, atol=1e-4 * float(direct.abs().max()))
+    assert fast_info.iterations <= 10 and plain_info.iterations >= 4 * fast_info.iterations
+    noise = torch.randn(200, 200, generator=gen, dtype=torch.float64)
+    other = matrix + 0.5 * (noise + noise.T)  # the factor of a perturbed matrix, at a lower rank
+    wrong = SpectralPreconditioner(curvature_factor(operator(other), template, 40))
+    x, info = conjugate_gradient(operator(matrix), b, damping=lam, iterations=300, tolerance=1e-6,
+                                 preconditioner=wrong)
+    assert info.relative_residual < 1e-5 and fast_info.iterations < info.iterations < plain_info.iterations
+    torch.testing.assert_close(x.flatten().double(), direct, rtol=1e-4, atol=1e-4 * float(direct.abs().max()))
+    with pytest.raises(ValueError, match="damping > 0"):
+        preconditioner(b, 0.0)
+
+
 def test_the_clients_curvature_factors_give_the_removal_the_retained_clients_own_hessian(tiny_bert_dir,
                                                                                         tiny_tasks_dir, tmp_path,
                                                                                         monkeypatch):
@@ -312,13 +350,26 @@ def test_f2l2_removes_the_backdoor_on_the_server_alone(backdoored, monkeypatch):
     # the default damping is relative to the server Hessian's scale, and the removal records it
     assert u["damping"] == "relative" and u["rho"] == 0.002 and u["gradient"] == "auto"
     assert u["form"] == "split" and u["difference_step"] <= u["trust_radius"]  # the step fits on digits
-    assert u["lambda_max"] > 0 and u["eigen_iterations"] >= 2
+    # λ_max comes from the server's own factor of H_s, formed in the gradient round; no Lanczos at removal time
+    assert u["lambda_max"] > 0 and u["eigen_iterations"] == 0 and u["preconditioner_rank"] > 0
+    assert "preconditioned by the rank-" in u["how"]
     assert u["l2"] == pytest.approx(u["rho"] * u["lambda_max"]) and f"{u['rho']:g} × " in u["how"]
     assert after["backdoor_success_rate"] <= reference["backdoor_success_rate"] + 0.1
     # measured (λ = 10): clean accuracy 0.88 after the removal, 0.90 before, 0.97 retrained (the digits recipe,
     # whose max_train_samples reorders the data: 0.84, 0.89, 0.95)
     assert after["accuracy"] > before["accuracy"] - 0.05 and abs(after["accuracy"] - reference["accuracy"]) < 0.12
     assert (root / "trained" / "checkpoint.safetensors").read_bytes() == checkpoint  # the run is left as it is
+    # the stored factor only speeds the solves up: without it (Lanczos, plain CG) the same step, in more products
+    finished = open_finished_run(root / "trained")
+    state, env = finished.state, finished.env
+    bare = dataclasses.replace(state, vectors={k: v for k, v in state.vectors.items() if k != SERVER_CURVATURE})
+    fast = env.strategy.remove_client(state, env, 0)
+    slow = env.strategy.remove_client(bare, env, 0)
+    assert fast.preconditioner_rank == state.scalars["server_curvature_rank"] and slow.preconditioner_rank == 0
+    assert slow.eigen_iterations >= 2 and fast.l2 == pytest.approx(slow.l2, rel=1e-3) and fast.form == slow.form
+    w_fast, w_slow, w = (task_model(x.vectors, "digits") for x in (fast.state, slow.state, state))
+    assert (w_fast - w_slow).norm() <= 1e-3 * (w - w_slow).norm()
+    assert slow.cg_iterations >= 3 * fast.cg_iterations
 
     # the removed model is exported and reloads: the linearized package predicts what was evaluated
     env = Environment(RunConfig(**BACKDOOR, output_dir=str(root / "x")))
@@ -665,6 +716,8 @@ def test_a_hessian_holdout_keeps_part_of_the_server_slice_out_of_pretraining(tin
     default = strategy.remove_client(state, env, 0)
     on_held = strategy.remove_client(state, env, 0, hessian_data=held)
     on_all = strategy.remove_client(state, env, 0, hessian_data=server)
-    assert default.lambda_max == on_held.lambda_max != on_all.lambda_max
+    # the default reads λ_max from the server's stored factor (formed on the held-out share), the others by Lanczos
+    assert default.lambda_max == pytest.approx(on_held.lambda_max, rel=1e-6) and default.preconditioner_rank
+    assert on_held.lambda_max != pytest.approx(on_all.lambda_max, rel=1e-6)
     whole = _probe(tiny_bert_dir, tiny_tasks_dir, tmp_path / "x").strategy_options
     assert "hessian_holdout" not in whole  # 0 by default: D_s for both

@@ -140,6 +140,9 @@ def curvature_name(client: int) -> str:
     return f"curvature/client{client}"
 
 
+SERVER_CURVATURE = "curvature/server"  # F²L²'s own factor of H_s (`server_curvature_rank`), kept with the run
+
+
 @dataclass
 class GlobalState:
     """Server state after `round` finished rounds."""

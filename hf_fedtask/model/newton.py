@@ -170,35 +170,72 @@ class SolveInfo:
 
 
 def conjugate_gradient(apply: Callable[[TaskVector], TaskVector], b: TaskVector, *, damping: float = 0.0,
-                       iterations: int = 100, tolerance: float = 1e-6) -> tuple[TaskVector, SolveInfo]:
+                       iterations: int = 100, tolerance: float = 1e-6,
+                       preconditioner: SpectralPreconditioner | None = None) -> tuple[TaskVector, SolveInfo]:
     """x with (A + damping·I)·x = b for a symmetric positive semi-definite A given as `apply`
-    (Hestenes-Stiefel CG, from x = 0), stopping when ‖r‖ ≤ tolerance·‖b‖; the residual reported is
-    recomputed from x (one more product)."""
+    (Hestenes-Stiefel CG, from x = 0; with `preconditioner`, preconditioned CG with its M⁻¹ at this damping),
+    stopping when ‖r‖ ≤ tolerance·‖b‖; the residual reported is recomputed from x (one more product)."""
     def product(p: TaskVector) -> TaskVector:
         return apply(p) + p * damping if damping else apply(p)
+
+    def precondition(r: TaskVector) -> TaskVector:
+        return r if preconditioner is None else preconditioner(r, damping)
 
     b_norm = b.norm()
     x = b.zeros_like()
     if b_norm == 0:
         return x, SolveInfo(0, 0.0)
-    r, p = b.clone(), b.clone()
-    rs = r.dot(r)
+    r = b.clone()
+    z = precondition(r)
+    p = z.clone()
+    rz = r.dot(z)
     done = 0
     for done in range(1, iterations + 1):
         ap = product(p)
         curvature = p.dot(ap)
         if curvature <= 0:  # numerically singular along p (damping 0): stop with what we have
             break
-        alpha = rs / curvature
+        alpha = rz / curvature
         x = x + p * alpha
         r = r - ap * alpha
-        rs_new = r.dot(r)
-        if rs_new ** 0.5 <= tolerance * b_norm:
+        z = precondition(r)
+        rz_new = r.dot(z)
+        if (rz_new ** 0.5 if preconditioner is None else r.norm()) <= tolerance * b_norm:  # ‖r‖ ≤ tol·‖b‖
             break
-        p = r + p * (rs_new / rs)
-        rs = rs_new
+        p = z + p * (rz_new / rz)
+        rz = rz_new
     residual = (b - product(x)).norm() / b_norm
     return x, SolveInfo(done, float(residual))
+
+
+class SpectralPreconditioner:
+    """M⁻¹ = V·diag(1/(θ_i + λ))·Vᵀ + (I − VVᵀ)/λ for (A + λI), from a curvature factor of A
+    (`curvature_factor`'s rows √θ_i·v_i, orthonormal v_i): exact on the factor's span and λI beyond it, so
+    preconditioned CG sees a condition number of at most 1 + θ_min/λ (θ_min the smallest eigenvalue kept)
+    instead of 1 + λ_max/λ. Symmetric positive definite for any λ > 0 whatever the factor's accuracy, so CG
+    stays exact; only its speed depends on how well the factor captures A's top. Zero rows are dropped."""
+
+    def __init__(self, factor: TaskVector):
+        self.shapes = {k: factor[k].shape[1:] for k in factor}
+        rows = torch.cat([factor[k].reshape(factor[k].shape[0], -1).double() for k in self.shapes], 1)
+        norms = rows.norm(dim=1)
+        kept = norms > 0
+        self.values = norms[kept] ** 2  # θ_i
+        self.vectors = (rows[kept] / norms[kept, None]).float()  # (m, P), v_i as rows
+
+    @property
+    def largest(self) -> float:
+        """θ₁, the factor's largest eigenvalue (A's λ_max to Lanczos' accuracy)."""
+        return float(self.values.max()) if len(self.values) else 0.0
+
+    def __call__(self, r: TaskVector, damping: float) -> TaskVector:
+        if damping <= 0:
+            raise ValueError("SpectralPreconditioner needs damping > 0 (M⁻¹ divides by λ beyond the factor's span)")
+        flat = TaskVector({k: r[k] for k in self.shapes}).flatten().float()
+        coefficients = self.vectors @ flat
+        scale = (1.0 / (self.values + damping) - 1.0 / damping).float()
+        z = flat / damping + self.vectors.T @ (coefficients * scale)
+        return TaskVector.unflatten(z, self.shapes)
 
 
 @dataclass
@@ -213,7 +250,8 @@ class TrustInfo:
 
 def solve_within_radius(apply: Callable[[TaskVector], TaskVector], b: TaskVector, *, damping: float, radius: float,
                         iterations: int = 100, tolerance: float = 1e-6, max_solves: int = 12,
-                        offset: TaskVector | None = None) -> tuple[TaskVector, TrustInfo]:
+                        offset: TaskVector | None = None,
+                        preconditioner: SpectralPreconditioner | None = None) -> tuple[TaskVector, TrustInfo]:
     """x = (A + λ·I)⁻¹·b with about the smallest λ ≥ `damping` for which ‖x‖ ≤ `radius` (a Levenberg-Marquardt
     trust region; ‖x(λ)‖ falls monotonically with λ). The first solve uses `damping`; while the step is
     too long, λ grows along the secant of log ‖x‖ against log λ (slope clipped to [1/4, 1]; 1 at first,
@@ -221,9 +259,11 @@ def solve_within_radius(apply: Callable[[TaskVector], TaskVector], b: TaskVector
     the last λ too small and the first that fits. It stops at a step within [0.8, 1]·radius, or after
     `max_solves` with the fitting step of the smallest λ found (λ raised 100-fold if none fitted).
     `radius` ≤ 0: no region, one solve. With `offset` the region bounds ‖offset + x‖ instead (a step that
-    starts from elsewhere, e.g. F²L²'s anchored form, solved from w₀ and measured from w*)."""
+    starts from elsewhere, e.g. F²L²'s anchored form, solved from w₀ and measured from w*). `preconditioner`
+    goes to every solve (`conjugate_gradient`)."""
     def solve(lam: float):
-        x, info = conjugate_gradient(apply, b, damping=lam, iterations=iterations, tolerance=tolerance)
+        x, info = conjugate_gradient(apply, b, damping=lam, iterations=iterations, tolerance=tolerance,
+                                     preconditioner=preconditioner)
         return lam, x, info, (x if offset is None else offset + x).norm()
 
     low = solve(damping)  # (λ, x, info, ‖x‖), the largest λ known to give too long a step
@@ -264,22 +304,29 @@ class EigenInfo:
 
 
 def _lanczos(apply: Callable[[TaskVector], TaskVector], template: TaskVector, steps: int, seed: int,
-             tolerance: float | None = None) -> tuple[list[TaskVector], torch.Tensor, EigenInfo]:
-    """Lanczos with full reorthogonalization from a seeded random start: (the orthonormal basis, the
-    tridiagonal T = QᵀAQ in float64, how it ended). Stops after `steps` products, at an invariant subspace,
-    or (`tolerance`) when T's top eigenvalue changes by at most that (relative)."""
+             tolerance: float | None = None) -> tuple[torch.Tensor, dict, torch.Tensor, EigenInfo]:
+    """Lanczos with full reorthogonalization from a seeded random start: (the orthonormal basis as the rows
+    of a float32 matrix over the flattened parameters, their shapes by name, the tridiagonal T = QᵀAQ in
+    float64, how it ended). Stops after `steps` products, at an invariant subspace, or (`tolerance`) when T's
+    top eigenvalue changes by at most that (relative). The basis is one matrix, so reorthogonalizing against
+    it is two matrix products, not a loop over vectors."""
     generator = torch.Generator().manual_seed(seed)
-    q = TaskVector({k: torch.randn(t.shape, generator=generator, dtype=torch.float32) for k, t in template.items()})
-    q = q * (1.0 / q.norm())
-    basis, alphas, betas = [q], [], []
+    shapes = {k: t.shape for k, t in template.items()}
+    q = torch.cat([torch.randn(shape, generator=generator, dtype=torch.float32).reshape(-1)
+                   for shape in shapes.values()])
+    basis = torch.empty((steps, q.numel()), dtype=torch.float32)
+    basis[0] = q / q.norm()
+    alphas, betas = [], []
     estimate, change, done = 0.0, float("inf"), 0
     for done in range(1, steps + 1):
-        w = apply(q)
-        alphas.append(w.dot(q))
+        q = basis[done - 1]
+        out = apply(TaskVector.unflatten(q, shapes))
+        w = TaskVector({k: out[k] for k in shapes}).flatten().float()
+        alphas.append(float(w.double() @ q.double()))
+        kept = basis[:done]
         for _ in range(2):  # twice: the basis stays orthonormal in float32 over hundreds of steps
-            for v in basis:
-                w = w - v * w.dot(v)
-        beta = w.norm()
+            w = w - kept.T @ (kept @ w)
+        beta = float(w.double().norm())
         if tolerance is not None:
             ritz = float(torch.linalg.eigvalsh(_tridiagonal(alphas, betas))[-1])
             change, estimate = abs(ritz - estimate) / max(abs(ritz), 1e-30), ritz
@@ -288,9 +335,8 @@ def _lanczos(apply: Callable[[TaskVector], TaskVector], template: TaskVector, st
         if done == steps or beta <= 1e-6 * max(abs(a) for a in alphas):  # an invariant subspace
             break
         betas.append(beta)
-        q = w * (1.0 / beta)
-        basis.append(q)
-    return basis[:len(alphas)], _tridiagonal(alphas, betas), EigenInfo(done, change)
+        basis[done] = w / beta
+    return basis[:len(alphas)], shapes, _tridiagonal(alphas, betas), EigenInfo(done, change)
 
 
 def largest_eigenvalue(apply: Callable[[TaskVector], TaskVector], template: TaskVector, *, iterations: int = 30,
@@ -300,7 +346,7 @@ def largest_eigenvalue(apply: Callable[[TaskVector], TaskVector], template: Task
     through its best Ritz value instead of the last iterate, so a small gap λ₁/λ₂ costs far fewer products).
     Stops when the top Ritz value changes by at most `tolerance` (relative) or after `iterations` products;
     the estimate never exceeds the true λ_max."""
-    _, t, info = _lanczos(apply, template, iterations, seed, tolerance)
+    _, _, t, info = _lanczos(apply, template, iterations, seed, tolerance)
     return float(torch.linalg.eigvalsh(t)[-1]), info
 
 
@@ -311,19 +357,16 @@ def curvature_factor(apply: Callable[[TaskVector], TaskVector], template: TaskVe
     zero rows where A has fewer eigenvalues above 1e-6 of its largest), from the Ritz pairs of `rank` +
     `oversample` Lanczos steps (the extra steps converge the lowest pairs kept). A's best rank-`rank`
     approximation in every unitarily invariant norm, to Lanczos' accuracy."""
-    basis, t, _ = _lanczos(apply, template, rank + oversample, seed)
+    basis, shapes, t, _ = _lanczos(apply, template, rank + oversample, seed)
     values, vectors = torch.linalg.eigh(t)
     order = values.argsort(descending=True)[:rank]
     kept = values[order]
     scales = torch.where(kept > 1e-6 * kept[0], kept, 0.0).sqrt()  # below: float32 round-off, not curvature
-    stacked = {k: torch.stack([q[k] for q in basis]).double() for k in template}  # (steps, *shape)
-    rows = {}
-    for k, q in stacked.items():
-        ritz = torch.einsum("s...,sr->r...", q, vectors[:, order]) * scales.reshape(-1, *[1] * (q.dim() - 1))
-        padded = torch.zeros((rank, *q.shape[1:]), dtype=torch.float64)
-        padded[:len(order)] = ritz
-        rows[k] = padded.float()
-    return TaskVector(rows)
+    ritz = (vectors[:, order].T @ basis.double()) * scales[:, None]  # (kept, P): √h_i·v_i
+    padded = torch.zeros((rank, basis.shape[1]), dtype=torch.float32)
+    padded[:len(order)] = ritz.float()
+    return TaskVector({k: chunk.reshape(rank, *shape) for (k, shape), chunk in
+                       zip(shapes.items(), padded.split([math.prod(shape) for shape in shapes.values()], 1))})
 
 
 class LowRankGaussNewton:

@@ -147,6 +147,13 @@ class F2L2Config(StrategyConfig):
                                  "Lanczos; rank × the trainable parameters' floats): the removal then solves with "
                                  "the retained clients' own Hessian instead of the server's slice H_s, still with "
                                  "no message at removal time (0: none, H_s)", minimum=0)
+    server_curvature_rank: int = option(128, "rank of the server's own curvature factor of H_s (its top eigenpairs "
+                                        "at w₀, by Lanczos over its slice), computed in the gradient round and kept "
+                                        "with the run (rank × the trainable parameters' floats, the rank lowered to "
+                                        "fit 256 MiB): a removal takes λ_max from it and preconditions its "
+                                        "conjugate-gradient solves with it, a few Hessian-vector products instead of "
+                                        "hundreds, the same step (0: none; Lanczos and plain CG at removal time)",
+                                        minimum=0)
     start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
                         "initialization (the official code's)", choices=("pretrained", "random"))
 

@@ -77,7 +77,15 @@ import numpy as np
 import torch
 
 from hf_fedtask.client.objectives import AnchoredRidge, OneHotMSE
-from hf_fedtask.core.state import CURVATURE, GRADIENT, POINT, curvature_name, gradient_name, point_name
+from hf_fedtask.core.state import (
+    CURVATURE,
+    GRADIENT,
+    POINT,
+    SERVER_CURVATURE,
+    curvature_name,
+    gradient_name,
+    point_name,
+)
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError, ProtocolError
@@ -114,6 +122,8 @@ RIDGE = "f2l2_ridge"  # the downlink's λ_r (one number; clients cannot compute 
 FACTOR_JACOBIAN_BYTES = 2 << 30  # a client forms its Jacobian for its factor up to this (once, at the end of
 # training; then each of the factor's Lanczos products is two matrix products instead of a pass over its data)
 EIGEN_ITERATIONS = 30  # Lanczos products for λ_max(H_s): measured, 8-20 reach a relative change of 1e-4
+SERVER_FACTOR_BYTES = 256 << 20  # the server's factor of H_s kept with the run: `server_curvature_rank` is
+# lowered to fit (rank × P float32; 128 rows of the paper's MLP are 43 MB)
 
 
 def client_curvature(host, model: TaskVector, point: TaskVector, data, rank: int, seed: int) -> TaskVector:
@@ -205,6 +215,8 @@ class RemovalResult:
     difference_step: float | None = None  # auto and split: ‖step‖ of the difference form (auto: at the damping's λ)
     hessian: str = SERVER  # the Hessian the step took: the server's slice or the retained clients' factors
     curvature_tail: float | None = None  # clients' factors: Σ (n_k/n₋)·(k-th eigenvalue), what they leave out
+    preconditioner_rank: int = 0  # the rows of the server's stored factor of H_s the solves were preconditioned
+    # with (λ_max read from it, no Lanczos); 0: plain CG
 
 
 @register_strategy
@@ -260,6 +272,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             if scalars.get("curvature_rank"):
                 factor = self._factor_template(model, scalars["curvature_rank"])
                 vectors.update({curvature_name(int(c)): factor for c in scalars.get("gradient_samples", {})})
+            if scalars.get("server_curvature_rank"):
+                vectors[SERVER_CURVATURE] = self._factor_template(model, scalars["server_curvature_rank"])
         return GlobalState(initial.round, vectors, dict(scalars))
 
     @staticmethod
@@ -301,7 +315,10 @@ class F2L2(Strategy, Linearized, ClientRemoval):
     # -- the server's own work -----------------------------------------------------------------------
     def server_step(self, state: GlobalState, env) -> GlobalState:
         """Round 1: pretrain w₀ on D_s and keep it as the linearization point; with a ridge, set
-        λ_r = ρ·λ_max(H_s) at w₀ (Lanczos on the server's slice)."""
+        λ_r = ρ·λ_max(H_s) at w₀ (Lanczos on the server's slice). The gradient round: factor H_s
+        (`server_curvature_rank`) while the clients compute their gradients."""
+        if self.phase(state) == GRADIENTS:
+            return self._factor_server_hessian(state, env)
         if self.phase(state) != PRETRAIN:
             return state
         from hf_fedtask.client.trainer import LocalTrainer
@@ -327,6 +344,30 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                 lambda_max, _ = largest_eigenvalue(products, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
             scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
         return GlobalState(state.round, {**state.vectors, **vectors}, scalars)
+
+    def _factor_server_hessian(self, state: GlobalState, env) -> GlobalState:
+        """The state with the server's factor F_s of H_s at w₀ (`SERVER_CURVATURE`, FᵀF ≈ H_s, the top
+        `server_curvature_rank` eigenpairs, the rank lowered to fit `SERVER_FACTOR_BYTES`). It depends on w₀
+        and D_s alone, so the server can form it before any removal is asked for, and every removal then
+        reads λ_max from it and preconditions its solves with it (`SpectralPreconditioner`)."""
+        import time
+
+        rank = self.config.server_curvature_rank
+        if not rank or SERVER_CURVATURE in state.vectors:
+            return state
+        from hf_fedtask.model.newton import curvature_factor, hessian
+
+        task = self._task(state)
+        point = task_point(state.vectors, task)
+        rank = min(rank, SERVER_FACTOR_BYTES // (4 * sum(t.numel() for t in point.values())))
+        if rank < 1:
+            return state
+        start = time.perf_counter()
+        with hessian(env.host, point, self.server_split(env, task)[1], env.config.eval_batch_size) as products:
+            factor = curvature_factor(products, point, rank, seed=env.config.seed)
+        scalars = {**state.scalars, "server_curvature_rank": rank,
+                   "server_curvature_seconds": time.perf_counter() - start}
+        return GlobalState(state.round, {**state.vectors, SERVER_CURVATURE: factor}, scalars)
 
     # -- communication -----------------------------------------------------------------------------
     def message_kind(self, state: GlobalState) -> str:
@@ -404,6 +445,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         clients' data give the step the approximation H_s ≈ H₋ stands in for)."""
         from hf_fedtask.model.newton import (
             LowRankGaussNewton,
+            SpectralPreconditioner,
             TrustInfo,
             conjugate_gradient,
             hessian,
@@ -462,11 +504,19 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         radius = factor * (w - w0).norm()
         tail = None if source == SERVER else sum(
             factor_tail(state.vectors[curvature_name(k)]) * n / n_rest for k, n in samples.items() if k != client)
+        # the server's stored factor of H_s (formed in the gradient round): λ_max and the solves' preconditioner
+        stored = source == SERVER and hessian_data is None and SERVER_CURVATURE in state.vectors
+        preconditioner = SpectralPreconditioner(state.vectors[SERVER_CURVATURE]) if stored else None
         with operator as products:
-            if damping == RELATIVE:
+            if damping == RELATIVE and preconditioner is not None:
+                lambda_max = preconditioner.largest
+                lam = rho * lambda_max
+            elif damping == RELATIVE:
                 lambda_max, eigen = largest_eigenvalue(products, w, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
                 lam, eigen_iterations = rho * lambda_max, eigen.iterations
-            solve = dict(iterations=options.iterations, tolerance=options.tolerance)
+            if not lam > 0:
+                preconditioner = None  # M⁻¹ divides by λ; an undamped solve runs plain CG
+            solve = dict(iterations=options.iterations, tolerance=options.tolerance, preconditioner=preconditioner)
             form, difference_step, trust, tried = gradient, None, None, 0
             if gradient == AUTO and tail is not None and tail <= COMPLETE_TAIL * lam:
                 form = ANCHORED  # the factors hold the retained clients' whole curvature at λ's resolution
@@ -502,4 +552,5 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
                              g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
-                             trust.solves + tried, form, difference_step, source, tail)
+                             trust.solves + tried, form, difference_step, source, tail,
+                             len(preconditioner.values) if preconditioner is not None else 0)

@@ -213,10 +213,14 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                    "relative_residual": removal.relative_residual, "step_norm": removal.step_norm,
                    "trust_radius": removal.trust_radius, "untrusted_l2": removal.untrusted_l2,
                    "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state),
-                   "hessian": removal.hessian, "curvature_tail": removal.curvature_tail}
+                   "hessian": removal.hessian, "curvature_tail": removal.curvature_tail,
+                   "preconditioner_rank": removal.preconditioner_rank}
         h = "H₋" if removal.hessian == "clients" else "H_s"
+        stored = removal.preconditioner_rank
         if removal.damping == "relative":
             scale = f" = ρ·λ_max({h}) = {removal.rho:g} × {removal.lambda_max:.4g}"
+            if stored:
+                scale += " (λ_max from the server's stored factor of H_s)"
         else:
             scale = (" = l2 + λ_r, the trained objective's own (the exact Newton step)"
                      if removal.damping == "objective" else " (absolute)")
@@ -235,7 +239,9 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                   "gradients" if removal.hessian == "clients" else "H_s the Hessian on the server's own data")
         newton = (f"w₀ − ({h} + λI)⁻¹·(g − {h}·(w − w₀))" if removal.form == "anchored" else f"w − ({h} + λI)⁻¹·g")
         how = (f"one Newton step on the server, {newton}, {source}, with λ = {removal.l2:.4g}{scale} and "
-               f"the {form}, solved by conjugate gradient ({removal.cg_iterations} iterations, "
+               f"the {form}, solved by conjugate gradient"
+               f"{f' preconditioned by the rank-{stored} factor of H_s the server formed in the gradient round' if stored else ''}"
+               f" ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
     else:
         new_state, messages = _gradient_ascent(strategy, state, env, client, sga_epochs, sga_lr), 1
