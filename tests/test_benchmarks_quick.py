@@ -26,6 +26,8 @@ SCRIPTS = {
         "small-cnn-full/digits", "minilm-lora/vader_polarity")], False),
     "gauss_newton_bench.py": ([rf"^RATIO {name} matrix-free/jacobian removal time = {NUMBER} " for name in (
         "minilm-probe", "minilm-lora")], True),
+    "f2l2_preconditioner.py": ([rf"^RATIO {form} plain/preconditioned removal time = {NUMBER} " for form in (
+        "auto", "retained", "difference")], True),
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
                        rf"^RATIO per_task/unified bytes per round = {NUMBER}$"], False),

@@ -132,11 +132,13 @@ class HandRound:
 
 @pytest.fixture(scope="module")
 def hand_round(runs) -> HandRound:
-    """Round 2 by hand from the round-1 checkpoint: each sampled client's `client_update`, sent over the wire."""
+    """Round 2 by hand from the round-1 checkpoint: the server's step, then each sampled client's
+    `client_update`, sent over the wire."""
     fed = Federation(runs.config)
     strategy, header = fed.strategy, fed.header()
     initial = fed.initial_state()
     state, _, stores = restore(fed.env, runs.round1, runs.config.fingerprint())
+    state = strategy.server_step(state, fed.env)  # as the engine's round begins (F²L²'s gradient round factors H_s)
     allocation = state.allocation
     clients = fed.server.sample_clients(2)
     templates, updates, parsed = {}, {}, {}

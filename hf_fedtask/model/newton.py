@@ -210,18 +210,16 @@ def conjugate_gradient(apply: Callable[[TaskVector], TaskVector], b: TaskVector,
 
 class SpectralPreconditioner:
     """M⁻¹ = V·diag(1/(θ_i + λ))·Vᵀ + (I − VVᵀ)/λ for (A + λI), from a curvature factor of A
-    (`curvature_factor`'s rows √θ_i·v_i, orthonormal v_i): exact on the factor's span and λI beyond it, so
-    preconditioned CG sees a condition number of at most 1 + θ_min/λ (θ_min the smallest eigenvalue kept)
+    (`curvature_factor`'s rows f_i = √θ_i·v_i, orthonormal v_i): exact on the factor's span and λI beyond it,
+    so preconditioned CG sees a condition number of at most 1 + θ_min/λ (θ_min the smallest eigenvalue kept)
     instead of 1 + λ_max/λ. Symmetric positive definite for any λ > 0 whatever the factor's accuracy, so CG
-    stays exact; only its speed depends on how well the factor captures A's top. Zero rows are dropped."""
+    stays exact; only its speed depends on how well the factor captures A's top. Applied through the rows
+    as stored, per parameter tensor (v_i·v_iᵀ = f_i·f_iᵀ/θ_i; zero rows contribute nothing):
+    M⁻¹·r = r/λ + Σ_i f_i·(f_i·r)·(1/(θ_i + λ) − 1/λ)/θ_i."""
 
     def __init__(self, factor: TaskVector):
-        self.shapes = {k: factor[k].shape[1:] for k in factor}
-        rows = torch.cat([factor[k].reshape(factor[k].shape[0], -1).double() for k in self.shapes], 1)
-        norms = rows.norm(dim=1)
-        kept = norms > 0
-        self.values = norms[kept] ** 2  # θ_i
-        self.vectors = (rows[kept] / norms[kept, None]).float()  # (m, P), v_i as rows
+        self.rows = {k: t.reshape(t.shape[0], -1) for k, t in factor.items()}  # (m, p_k) views, no copy
+        self.values = sum(torch.linalg.vector_norm(t, dim=1, dtype=torch.float64) ** 2 for t in self.rows.values())
 
     @property
     def largest(self) -> float:
@@ -231,11 +229,14 @@ class SpectralPreconditioner:
     def __call__(self, r: TaskVector, damping: float) -> TaskVector:
         if damping <= 0:
             raise ValueError("SpectralPreconditioner needs damping > 0 (M⁻¹ divides by λ beyond the factor's span)")
-        flat = TaskVector({k: r[k] for k in self.shapes}).flatten().float()
-        coefficients = self.vectors @ flat
-        scale = (1.0 / (self.values + damping) - 1.0 / damping).float()
-        z = flat / damping + self.vectors.T @ (coefficients * scale)
-        return TaskVector.unflatten(z, self.shapes)
+        kept = self.values > 0
+        scale = torch.zeros_like(self.values)
+        theta = self.values[kept]
+        scale[kept] = (1.0 / (theta + damping) - 1.0 / damping) / theta
+        coefficients = sum(rows @ r[k].reshape(-1).float() for k, rows in self.rows.items())  # F·r
+        weighted = (coefficients.double() * scale).float()
+        return TaskVector({k: (r[k].reshape(-1) / damping + rows.T @ weighted).reshape(r[k].shape)
+                           for k, rows in self.rows.items()})
 
 
 @dataclass

