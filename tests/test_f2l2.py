@@ -173,7 +173,7 @@ def test_lanczos_finds_the_largest_eigenvalue_of_the_gauss_newton_hessian():
 def test_a_curvature_factor_is_the_best_low_rank_approximation_and_sums_into_one_operator():
     """`curvature_factor`'s FᵀF equals A's top-k eigenpart (eigh of the explicit matrix; a spectrum decaying
     like a Hessian's), is A itself where A's rank is at most k (zero rows pad it), and `LowRankGaussNewton`
-    applies Σ_j c_j·F_jᵀF_j."""
+    applies Σ_j c_j·F_jᵀF_j and inverts it plus λI exactly (CG preconditioned by that inverse: two iterations)."""
     gen = torch.Generator().manual_seed(2)
     basis, _ = torch.linalg.qr(torch.randn(200, 200, generator=gen, dtype=torch.float64))
     template = TaskVector({"a": torch.zeros(120), "b": torch.zeros(8, 10)})
@@ -201,6 +201,17 @@ def test_a_curvature_factor_is_the_best_low_rank_approximation_and_sums_into_one
         got = products(v).flatten().double()
     want = (0.25 * f.T @ f + 0.75 * g.T @ g) @ v.flatten().double()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    # its inverse at any λ (Woodbury over the factors' Gram): a direct solve, and λ_max of the sum
+    combined = 0.25 * f.T @ f + 0.75 * g.T @ g
+    with LowRankGaussNewton([(factor, 0.25), (small, 0.75)]) as products:
+        inverse = products.inverse()
+        assert inverse.largest == pytest.approx(float(torch.linalg.eigvalsh(combined)[-1]), rel=1e-5)
+        for lam in (0.01, 1.0):
+            direct = torch.linalg.solve(combined + lam * torch.eye(200, dtype=torch.float64), v.flatten().double())
+            torch.testing.assert_close(inverse(v, lam).flatten().double(), direct, rtol=1e-3,
+                                       atol=1e-4 * float(direct.abs().max()))
+        x, info = conjugate_gradient(products, v, damping=1.0, iterations=50, tolerance=1e-6, preconditioner=inverse)
+        assert info.iterations <= 3 and info.relative_residual < 1e-5
 
 
 def test_a_spectral_preconditioner_keeps_cg_exact_and_cuts_its_iterations():

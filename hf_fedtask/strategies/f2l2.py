@@ -512,6 +512,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         stored = source == SERVER and hessian_data is None and SERVER_CURVATURE in state.vectors
         preconditioner = SpectralPreconditioner(state.vectors[SERVER_CURVATURE]) if stored else None
         with operator as products:
+            if source == CLIENTS:  # H₋ is the factors' stack: its exact inverse at any λ, from one Gram
+                preconditioner = products.inverse()
             if damping == RELATIVE and preconditioner is not None:
                 lambda_max = preconditioner.largest
                 lam = rho * lambda_max
@@ -557,4 +559,4 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
                              g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
                              trust.solves + tried, form, difference_step, source, tail,
-                             len(preconditioner.values) if preconditioner is not None else 0)
+                             len(preconditioner.values) if stored and preconditioner is not None else 0)
