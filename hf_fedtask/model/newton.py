@@ -13,7 +13,11 @@ floats (C outputs), fits `JACOBIAN_BYTES`, it is formed once from the per-sample
 (`JacobianGaussNewton`): a linear probe or LoRA on a few hundred server texts then takes a removal's 30-250
 products for about the price of two (`hessian` picks; `benchmarks/gauss_newton_bench.py` measures it).
 `conjugate_gradient` solves (H + λI)·v = g with these products, and `largest_eigenvalue` finds λ_max(H) with
-them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against. Vectors are `TaskVector`s of
+them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against. `curvature_factor` keeps H's top
+eigenpairs (Lanczos over one basis matrix), and two preconditioners make CG take a few iterations where a
+long-tailed H at λ = 0.002·λ_max takes a hundred: `SpectralPreconditioner` from such a factor of H (the
+server's, formed before any removal) and `LowRankInverse`, the exact inverse of a stack of factors
+(`LowRankGaussNewton`, the clients' uploads). Vectors are `TaskVector`s of
 the trainable parameters by PEFT saved name. Hand-written: torch has no CG over parameter dicts and the
 Hessian-free libraries around are unmaintained. Batches go to the host model's device; the
 vectors returned are CPU tensors.
