@@ -69,7 +69,11 @@ def test_every_strategy_trains_the_shared_head(tiny_config, strategy, tmp_path):
     initial = finished.env.initial.vectors
     assert any(not torch.equal(vectors[n][head_key], initial[n][head_key]) for n in holders if n in initial) or \
         strategy in ("fedper",)  # FedPer's head is personal: it stays on the clients
-    assert all(vectors[n][head_key].shape[0] == finished.env.output_space.width for n in holders)
+    width = finished.env.output_space.width
+    factors = [n for n in holders if n.startswith("curvature/")]  # F²L²'s curvature factors: rank rows over it
+    assert all(vectors[n][head_key].shape[0] == width for n in holders if n not in factors)
+    assert all(vectors[n][head_key].shape[1] == width for n in factors)
+    assert bool(factors) == (strategy == "f2l2")  # the server's factor of H_s, kept from the gradient round
 
 
 def test_tct_refuses_a_shared_output_space(tiny_config):
