@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from f2l2_curvature_rank import QUICK  # noqa: E402  (its small digits protocol; this folder is on sys.path)
 
 from hf_fedtask.config import RunConfig  # noqa: E402
 from hf_fedtask.core.state import SERVER_CURVATURE  # noqa: E402
@@ -33,10 +34,6 @@ from hf_fedtask.engine.run import run  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run  # noqa: E402
 from hf_fedtask.strategies.base import task_model  # noqa: E402
 from hf_fedtask.strategies.f2l2 import RemovalOptions  # noqa: E402
-
-QUICK = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", strategy="f2l2",
-             strategy_options={"pretrain_epochs": 5}, num_clients=3, rounds=4, local_epochs=1.0, batch_size=32,
-             learning_rate=3e-4, lr_scheduler="constant", backdoor_client=0, backdoor_trigger=3, export=False)
 
 
 def main() -> None:
@@ -76,7 +73,7 @@ def measure(args) -> None:
         formed = None
     else:  # a run from before server_curvature_rank: form the factor as its gradient round would
         start = time.perf_counter()
-        state = strategy._factor_server_hessian(state, env)
+        state = strategy.factor_server_hessian(state, env)
         formed = time.perf_counter() - start
         if SERVER_CURVATURE not in state.vectors:
             raise SystemExit(f"{args.run_dir}: server_curvature_rank is 0 in this run's options; nothing to compare")

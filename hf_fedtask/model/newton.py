@@ -411,10 +411,10 @@ class LowRankGaussNewton:
         first = self.factors[0][0]
         self.shapes = {k: first[k].shape[1:] for k in first}
         sizes = [math.prod(shape) for shape in self.shapes.values()]
-        self.matrix = torch.empty((sum(f[next(iter(self.shapes))].shape[0] for f, _ in self.factors), sum(sizes)))
+        self.ranks = [f[next(iter(self.shapes))].shape[0] for f, _ in self.factors]
+        self.matrix = torch.empty((sum(self.ranks), sum(sizes)))
         row = 0
-        for f, weight in self.factors:  # (Σ rank, P), written in place: one pass over the factors
-            rank = f[next(iter(self.shapes))].shape[0]
+        for (f, weight), rank in zip(self.factors, self.ranks):  # (Σ rank, P), in place: one pass over them
             for block, k in zip(self.matrix[row:row + rank].split(sizes, 1), self.shapes):
                 torch.mul(f[k].reshape(rank, -1), weight ** 0.5, out=block)
             row += rank
@@ -430,8 +430,7 @@ class LowRankGaussNewton:
     def inverse(self) -> LowRankInverse:
         """(H + λI)⁻¹ for this operator, as a preconditioner (`conjugate_gradient`'s): exact, so CG stops
         after an iteration or two."""
-        return LowRankInverse(self.matrix, [f[next(iter(self.shapes))].shape[0] for f, _ in self.factors],
-                              self.shapes)
+        return LowRankInverse(self.matrix, self.ranks, self.shapes)
 
 
 class LowRankInverse:

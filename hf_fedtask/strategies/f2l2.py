@@ -325,7 +325,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         λ_r = ρ·λ_max(H_s) at w₀ (Lanczos on the server's slice). The gradient round: factor H_s
         (`server_curvature_rank`) while the clients compute their gradients."""
         if self.phase(state) == GRADIENTS:
-            return self._factor_server_hessian(state, env)
+            return self.factor_server_hessian(state, env)
         if self.phase(state) != PRETRAIN:
             return state
         from hf_fedtask.client.trainer import LocalTrainer
@@ -352,7 +352,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
         return GlobalState(state.round, {**state.vectors, **vectors}, scalars)
 
-    def _factor_server_hessian(self, state: GlobalState, env) -> GlobalState:
+    def factor_server_hessian(self, state: GlobalState, env) -> GlobalState:
         """The state with the server's factor F_s of H_s at w₀ (`SERVER_CURVATURE`, FᵀF ≈ H_s, the top
         `server_curvature_rank` eigenpairs, the rank lowered to fit `SERVER_FACTOR_BYTES`). It depends on w₀
         and D_s alone, so the server can form it before any removal is asked for, and every removal then
