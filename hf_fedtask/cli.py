@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "F²L² runs), sga (gradient ascent on the client's data, the baseline)")
     p.add_argument("--rho", type=float, default=None,
                    help="f2l2: damp the removal step with λ = ρ·λ_max(H_s), the server Hessian's largest eigenvalue "
-                        "(default: the run's removal_damping, relative with removal_rho 0.002)")
+                        "(default: the run's removal_damping; auto takes relative with removal_rho 0.002 unless the "
+                        "objective has l2 or a ridge and the factors are complete or w* its optimum)")
     p.add_argument("--l2", type=float, default=None,
                    help="f2l2: damp the removal step with this absolute λ instead (not with --rho)")
     p.add_argument("--gradient", choices=GRADIENT_FORMS, default=None,

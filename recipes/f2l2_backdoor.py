@@ -96,9 +96,11 @@ def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
     gradient forms swept over `rhos` besides the split form (what auto takes where the difference step fits).
     The sweeps run without the trust region, the default-damping rows with it."""
     c = strategy_config
-    default_rho = c.removal_rho if c.removal_damping == "relative" else None
-    own = {"relative": f"ρ={c.removal_rho:g}", "absolute": f"λ={c.removal_l2:g} absolute",
-           "objective": "the objective's λ"}[c.removal_damping]
+    # auto damping is relative on an objective without l2 or a ridge (the paper's)
+    relative = c.removal_damping == "relative" or (c.removal_damping == "auto" and c.l2 == 0 and c.ridge == 0)
+    default_rho = c.removal_rho if relative else None
+    own = f"ρ={c.removal_rho:g}" if relative else {"auto": "auto damping", "absolute": f"λ={c.removal_l2:g} absolute",
+                                                    "objective": "the objective's λ"}[c.removal_damping]
     free = {"trust_radius": 0.0}  # the sweeps show each damping as it is, without the trust region
     rows = {f"f2l2 (default: auto form, {own})": {}}
     if c.curvature_rank:  # the run's clients uploaded curvature factors: the default takes their Hessian

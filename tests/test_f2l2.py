@@ -37,6 +37,7 @@ from hf_fedtask.model.newton import (
     data_gradient,
     hessian,
     largest_eigenvalue,
+    objective_minimizer,
     solve_within_radius,
 )
 from hf_fedtask.strategies.base import task_model, task_point
@@ -311,6 +312,56 @@ def test_the_clients_curvature_factors_give_the_removal_the_retained_clients_own
     out = remove_client(tmp_path / "run", 0, output_dir=tmp_path / "removed")["unlearning"]
     assert out["hessian"] == "clients" and out["client_messages"] == 0 and "uploaded" in out["how"]
     assert out["form"] == "anchored" and "w₀ − (H₋ + λI)⁻¹" in out["how"] and "leave out" in out["how"]
+
+
+def test_complete_factors_of_a_regularized_objective_remove_to_the_retrained_minimizer(tiny_bert_dir,
+                                                                                      tiny_tasks_dir, tmp_path):
+    """With l2 > 0 the retained objective has one minimizer (`objective_minimizer`, its gradient vanishes
+    there), and with the clients' complete factors the default removal takes its exact Newton step: the
+    retained form at λ = l2 (not the anchored form, which returns to w₀ what l2 pulls toward 0), landing on
+    that minimizer from a run that stopped short of its own."""
+    l2 = 0.05
+    base = dict(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
+                peft_method="probe", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=3,
+                batch_size=8, max_length=16, min_samples=4, backdoor_client=0, backdoor_trigger=1, export=False)
+    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": l2}
+    task = Environment(RunConfig(**base, strategy_options=options)).tasks[0].name
+    rank = Environment(RunConfig(**base, strategy_options=options)).initial.vectors[head_name(task)].numel()
+    run(RunConfig(**base, strategy_options={**options, "curvature_rank": rank}, output_dir=str(tmp_path / "run")))
+    finished = open_finished_run(tmp_path / "run")
+    state, env, strategy = finished.state, finished.env, finished.env.strategy
+    w0 = task_point(state.vectors, task)
+    retained = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in (1, 2)]),
+                                 env.task_by_name[task])
+    minimizer, info = objective_minimizer(env.host, w0, retained, l2=l2)
+    start = data_gradient(env.host, w0, w0, retained)[0] + w0 * l2
+    assert (data_gradient(env.host, minimizer, w0, retained)[0] + minimizer * l2).norm() < 1e-4 * start.norm()
+    w = task_model(state.vectors, task)
+    assert (w - minimizer).norm() > 0.05 * (w - w0).norm()  # the run did not stop at the retrained minimizer
+    removal = strategy.remove_client(state, env, 0)
+    assert (removal.hessian, removal.form, removal.damping, removal.l2) == ("clients", "retained", "objective", l2)
+    assert (task_model(removal.state.vectors, task) - minimizer).norm() <= 1e-3 * (w - minimizer).norm()
+    anchored = strategy.remove_client(state, env, 0, RemovalOptions(gradient="anchored"))
+    assert (task_model(anchored.state.vectors, task) - minimizer).norm() > 0.05 * (w - minimizer).norm()
+    out = remove_client(tmp_path / "run", 0, output_dir=tmp_path / "removed")["unlearning"]
+    assert out["form"] == "retained" and "the retrained objective's minimizer" in out["how"]
+    with pytest.raises(ValueError, match="l2 \\+ ridge > 0"):
+        objective_minimizer(env.host, w0, retained)
+    # with H_s: the run stopped short of its optimum, so the auto damping is the relative one; from the full
+    # objective's minimizer, with the gradients the clients would upload there, it is the objective's λ
+    server = RemovalOptions(hessian="server")
+    short = strategy.remove_client(state, env, 0, server)
+    assert short.damping == "relative" and short.stationarity > 0.1
+    data = [env.client_data(k)[task] for k in range(3)]
+    optimum, _ = objective_minimizer(env.host, w0, concatenate_datasets(data), l2=l2)
+    shared = state.vectors[SHARED]
+    at_optimum = GlobalState(state.round, {
+        **state.vectors, SHARED: optimum.filter(lambda k: k in shared),
+        head_name(task): optimum.filter(lambda k: k not in shared),
+        **{gradient_name(k): data_gradient(env.host, optimum, w0, d)[0] for k, d in enumerate(data)}}, state.scalars)
+    there = strategy.remove_client(at_optimum, env, 0, server)
+    assert (there.damping, there.form, there.l2) == ("objective", "retained", l2) and there.stationarity < 1e-3
+    assert strategy.remove_client(at_optimum, env, 0, RemovalOptions(hessian="server", rho=0.002)).damping == "relative"
 
 
 def test_the_clients_hessian_needs_their_factors(backdoored, tmp_path):

@@ -13,7 +13,8 @@ floats (C outputs), fits `JACOBIAN_BYTES`, it is formed once from the per-sample
 (`JacobianGaussNewton`): a linear probe or LoRA on a few hundred server texts then takes a removal's 30-250
 products for about the price of two (`hessian` picks; `benchmarks/gauss_newton_bench.py` measures it).
 `conjugate_gradient` solves (H + λI)·v = g with these products, and `largest_eigenvalue` finds λ_max(H) with
-them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against. `curvature_factor` keeps H's top
+them (Lanczos), the scale F²L²'s default damping λ = ρ·λ_max is set against; `objective_minimizer` is
+where training that reached its optimum ends. `curvature_factor` keeps H's top
 eigenpairs (Lanczos over one basis matrix), and two preconditioners make CG take a few iterations where a
 long-tailed H at λ = 0.002·λ_max takes a hundred: `SpectralPreconditioner` from such a factor of H (the
 server's, formed before any removal) and `LowRankInverse`, the exact inverse of a stack of factors
@@ -164,6 +165,24 @@ def gauss_newton_product(host: PeftHost, point: TaskVector, v: TaskVector, data:
     """H·v once (`GaussNewton` for many products)."""
     with GaussNewton(host, point, data, batch_size) as product:
         return product(v)
+
+
+def objective_minimizer(host: PeftHost, point: TaskVector, data: Dataset, *, l2: float = 0.0, ridge: float = 0.0,
+                        batch_size: int = 512, iterations: int = 5000,
+                        tolerance: float = 1e-7) -> tuple[TaskVector, SolveInfo]:
+    """(w, how CG went) for w = argmin D(w) + (l2/2)·‖w‖² + (ridge/2)·‖w − w₀‖² over prepared `data`, the model
+    linearized at w₀ = `point`: one exact Newton step from w₀, (H + (l2 + ridge)·I)·s = ∇D(w₀) + l2·w₀, since
+    the objective is quadratic. Where training reaches it, retraining ends there in any order: the point F²L²'s
+    certificate compares a removal with (`benchmarks/f2l2_at_optimum.py`). l2 + ridge must be > 0: H is
+    singular where the data span fewer directions than the model has, and the minimizer is not unique."""
+    damping = l2 + ridge
+    if not damping > 0:
+        raise ValueError(f"objective_minimizer needs l2 + ridge > 0, got l2={l2:g}, ridge={ridge:g}")
+    gradient, _ = data_gradient(host, point, point, data)
+    with hessian(host, point, data, batch_size) as products:
+        step, info = conjugate_gradient(products, gradient + point * l2 if l2 else gradient, damping=damping,
+                                        iterations=iterations, tolerance=tolerance)
+    return point - step, info
 
 
 @dataclass

@@ -126,12 +126,15 @@ class F2L2Config(StrategyConfig):
                           "convex (kernel ridge regression on the linearized model), as the paper's certified "
                           "removal assumes, so training can reach the optimum the Newton step aims at (0: none)",
                           minimum=0.0)
-    removal_damping: str = option("relative", "how the removal step (H_s + λI)⁻¹·g is damped: relative, λ = "
+    removal_damping: str = option("auto", "how the removal step (H_s + λI)⁻¹·g is damped: relative, λ = "
                                   "removal_rho·λ_max(H_s) (λ_max by Lanczos on the server's slice, so λ follows the "
-                                  "Hessian's scale from one model to another), absolute, λ = removal_l2, or "
+                                  "Hessian's scale from one model to another), absolute, λ = removal_l2, "
                                   "objective, λ = l2 + λ_r: the trained objective's own Hessian (the exact Newton "
-                                  "step; needs l2 or ridge > 0)",
-                                  choices=("relative", "absolute", "objective"))
+                                  "step; needs l2 or ridge > 0), or auto: objective where l2 + λ_r > 0 and either "
+                                  "the clients' curvature factors are complete or w* is the objective's optimum "
+                                  "(its gradient from the uploads at most 0.1 of the retained objective's), else "
+                                  "relative",
+                                  choices=("auto", "relative", "absolute", "objective"))
     removal_rho: float = option(0.002, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
                                 "accuracy, a larger one lets the backdoor survive (the README's F²L² section)",
                                 minimum=0.0, exclusive_minimum=True)

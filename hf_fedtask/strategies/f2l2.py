@@ -19,10 +19,11 @@ training, then certified removal of a client by one Newton step computed on the 
                      the linearized model on D_s (or its `hessian_holdout` share; exact: the loss is
                      quadratic), solved by conjugate gradient over Hessian-vector products
                      (`hf_fedtask.model.newton`: through the Jacobian, formed once, where it fits in
-                     memory, else matrix-free), with λ = ρ·λ_max(H_s) by default
-                     (`removal_damping`): a damping relative to the Hessian's own scale, so one ρ serves
-                     a full MLP, LoRA and a linear probe, whose curvatures differ by orders of magnitude;
-                     or λ = l2 + λ_r (`objective`), the exact Newton step of the trained objective;
+                     memory, else matrix-free), with λ = ρ·λ_max(H_s) (`removal_damping` relative, and
+                     auto's choice without l2 or a ridge): a damping relative to the Hessian's own scale,
+                     so one ρ serves a full MLP, LoRA and a linear probe, whose curvatures differ by orders
+                     of magnitude; or λ = l2 + λ_r (`objective`, and auto's choice at the optimum of a
+                     regularized objective), the exact Newton step of the trained objective;
                      a step longer than `removal_trust_radius`·‖w* − w₀‖ (how far training moved) is
                      refused by raising λ until it fits (a Levenberg-Marquardt trust region: where the
                      server's slice misses directions the clients' data use, H_s + λI is near λI there
@@ -63,7 +64,19 @@ factor, "no curvature in H" does not mean no retained datum uses the direction, 
 (whose spectrum keeps a long tail at any rank a client can upload) it costs 3-4 points of accuracy. So
 `auto` takes it when H is the clients' factors and they leave out at most `COMPLETE_TAIL` of λ
 (Σ_k (n_k/n₋)·h_k over their k-th eigenvalues: the truncation is below the damping's resolution), and
-decides between split and retained as above otherwise. On the paper's MLP (six seeds) the split
+decides between split and retained as above otherwise. The anchored form is the minimizer nearest w₀ of an
+objective without regularization, whose minimizers are many where the data span fewer directions than the
+model has. With l2 or a ridge (l2 + λ_r > 0) the retained objective has one minimizer, the point the
+certificate compares with, and two cases reach it. Complete factors give its exact Newton step from any w*
+(the objective is quadratic): `auto` takes the retained form with no trust region, and the auto damping
+(`removal_damping` auto, the default) λ = l2 + λ_r, the objective's own (the relative damping stands in for
+curvature H_s misses; complete factors miss none). And at the optimum of the full objective, which the server
+reads from the uploads (‖∇F(w*)‖ = ‖Σ_k (n_k/n)·g_k + r(w*)‖ at most `STATIONARY` of ‖∇F₋(w*)‖), the auto
+damping takes λ = l2 + λ_r and `auto` the retained form (there the target, difference and retained forms
+coincide) inside the trust region: a relative λ far above l2 blocks the step where the model moved against
+l2 alone (`benchmarks/f2l2_at_optimum.py`: on the paper's MLP at the optimum of l2 = 0.01, λ = 0.002·λ_max
+leaves the backdoor whole). Without l2 or a ridge the auto damping is the relative one. On the paper's MLP
+(six seeds, l2 = 0) the split
 step lands within a point of clean accuracy and two of BSR of retraining, where the difference form loses
 1-2 points of accuracy and the retained form keeps a fifth of the backdoor; on a text probe with a 320-text
 slice the difference step is 3.3-4.4 times the radius (three seeds), and the split step would cost 6 points
@@ -119,6 +132,7 @@ from hf_fedtask.strategies.fedavg import delta_update
 PRETRAIN, LINEAR, GRADIENTS, DONE = "pretrain", "linear", "gradients", "done"
 SPLIT, ANCHORED = "split", "anchored"
 COMPLETE_TAIL = 0.01  # auto takes the anchored form where the factors' tail is at most this share of λ
+STATIONARY = 0.1  # auto damping: w* is at the regularized objective's optimum where ‖∇F(w*)‖ ≤ this × ‖∇F₋(w*)‖
 GRADIENT_QUERY = "data_gradient"
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 SERVER, CLIENTS = HESSIANS[1:]  # the removal's Hessian: the server's slice H_s, the clients' factors
@@ -222,6 +236,7 @@ class RemovalResult:
     difference_step: float | None = None  # auto and split: ‖step‖ of the difference form (auto: at the damping's λ)
     hessian: str = SERVER  # the Hessian the step took: the server's slice or the retained clients' factors
     curvature_tail: float | None = None  # clients' factors: Σ (n_k/n₋)·(k-th eigenvalue), what they leave out
+    stationarity: float | None = None  # ‖∇F(w*)‖ / ‖∇F₋(w*)‖ from the uploads (None: l2 + λ_r = 0)
     preconditioner_rank: int = 0  # the rows of the server's stored factor of H_s the solves were preconditioned
     # with (λ_max read from it, no Lanczos); 0: plain CG
 
@@ -443,7 +458,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         contacted), as `options` say (`RemovalOptions`: by default the run's damping, λ = ρ·λ_max(H_s)
         with λ_max from the server's stored factor of H_s, which also preconditions every CG solve (a run
         without one: λ_max by Lanczos over the same products CG uses, plain CG), and the auto form of g₋: the
-        anchored form where the clients' factors leave out at most `COMPLETE_TAIL`·λ, else the split form
+        anchored form where the clients' factors leave out at most `COMPLETE_TAIL`·λ (of a regularized objective:
+        the retained form at λ = l2 + λ_r, its exact Newton step), else the split form
         where the difference step fits the trust region, else the retained form; see the module docstring).
         `hessian_data`: prepared data to build H from instead of D_s, for measurement only (the retained
         clients' data give the step the approximation H_s ≈ H₋ stands in for)."""
@@ -469,13 +485,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         c = self.config
         lam_train, gradient = c.l2, options.gradient
         ridge = self.ridge_lambda(state)
-        if options.l2 is not None or (options.rho is None and c.removal_damping == ABSOLUTE):
-            damping, rho = ABSOLUTE, None
-            lam = c.removal_l2 if options.l2 is None else options.l2
-        elif options.rho is None and c.removal_damping == OBJECTIVE:
-            damping, rho, lam = OBJECTIVE, None, lam_train + ridge
-        else:
-            damping, rho = RELATIVE, c.removal_rho if options.rho is None else options.rho
+        regularized = lam_train + ridge  # the trained objective's own curvature beyond the data's
         task = self._task(state)
         w, w0 = self._model(state), task_point(state.vectors, task)
         regularizer = w * lam_train + (w - w0) * ridge if ridge else w * lam_train  # r(w*), see the module docstring
@@ -486,6 +496,9 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         forms = {"target": lambda: (g_m + regularizer) * (-n_m / n_rest),
                  "difference": lambda: (retained - g_m) * (n_m / (n_rest + n_m)),
                  "retained": lambda: retained + regularizer}
+        # how far w* is from the full objective's stationary point: ‖∇F(w*)‖ over ‖∇F₋(w*)‖, from the uploads
+        stationarity = None if regularized == 0 else float(
+            ((retained * n_rest + g_m * n_m) * (1 / (n_rest + n_m)) + regularizer).norm() / forms["retained"]().norm())
         uploaded = bool(state.scalars.get("curvature_rank"))
         if options.hessian == CLIENTS and not uploaded:
             raise ConfigError(NO_FACTORS)
@@ -508,6 +521,16 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         radius = factor * (w - w0).norm()
         tail = None if source == SERVER else sum(
             factor_tail(state.vectors[curvature_name(k)]) * n / n_rest for k, n in samples.items() if k != client)
+        whole = regularized > 0 and tail is not None and tail <= COMPLETE_TAIL * regularized  # H₋ complete at l2+λ_r
+        stationary = stationarity is not None and stationarity <= STATIONARY
+        if options.l2 is not None or (options.rho is None and c.removal_damping == ABSOLUTE):
+            damping, rho = ABSOLUTE, None
+            lam = c.removal_l2 if options.l2 is None else options.l2
+        elif options.rho is None and (c.removal_damping == OBJECTIVE
+                                      or (c.removal_damping == AUTO and (whole or stationary))):
+            damping, rho, lam = OBJECTIVE, None, regularized
+        else:
+            damping, rho = RELATIVE, c.removal_rho if options.rho is None else options.rho
         # the server's stored factor of H_s (formed in the gradient round): λ_max and the solves' preconditioner
         stored = source == SERVER and hessian_data is None and SERVER_CURVATURE in state.vectors
         preconditioner = SpectralPreconditioner(state.vectors[SERVER_CURVATURE]) if stored else None
@@ -523,15 +546,20 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             if not lam > 0:
                 preconditioner = None  # M⁻¹ divides by λ; an undamped solve runs plain CG
             solve = dict(iterations=options.iterations, tolerance=options.tolerance, preconditioner=preconditioner)
-            form, difference_step, trust, tried = gradient, None, None, 0
-            if gradient == AUTO and tail is not None and tail <= COMPLETE_TAIL * lam:
-                form = ANCHORED  # the factors hold the retained clients' whole curvature at λ's resolution
+            form, difference_step, trust, tried, exact = gradient, None, None, 0, False
+            complete = tail is not None and tail <= COMPLETE_TAIL * lam  # the factors hold H₋ at λ's resolution
+            if gradient == AUTO and complete and regularized > 0:
+                form, exact = "retained", True  # one minimizer, H₋ whole: the exact Newton step, no trust region
+            elif gradient == AUTO and complete:
+                form = ANCHORED  # many minimizers: the one nearest w₀
+            elif gradient == AUTO and damping == OBJECTIVE and stationary:
+                form = "retained"  # at the optimum: the objective's own Newton step, inside the trust region
             if form == ANCHORED:  # w₋ = w₀ − (H + λI)⁻¹·(ĝ₋ − H·(w* − w₀)): a damped Newton step from w₀
                 moved, g = w - w0, forms["retained"]()
                 from_w0, trust = solve_within_radius(products, g - products(moved), damping=lam, radius=radius,
                                                      offset=moved, **solve)
                 step = moved + from_w0
-            elif gradient in (AUTO, SPLIT):  # the split form where the server's Hessian vouches for the client's
+            elif form in (AUTO, SPLIT):  # the split form where the server's Hessian vouches for the client's
                 # share (its difference step fits the trust region), else (auto) the retained form
                 if gradient == AUTO:
                     share, info = conjugate_gradient(products, forms["difference"](), damping=lam, **solve)
@@ -547,7 +575,11 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                     trust = TrustInfo(lam_split, share_trust.solves + 1, info)
                 else:
                     form, tried = "retained", 1
-            if trust is None:
+            if trust is None and exact:
+                g = forms[form]()
+                step, info = conjugate_gradient(products, g, damping=lam, **solve)
+                trust = TrustInfo(lam, 1, info)
+            elif trust is None:
                 g = forms[form]()
                 step, trust = solve_within_radius(products, g, damping=lam, radius=radius, **solve)
         untrusted, lam, info = (lam if trust.damping != lam else None), trust.damping, trust.solve
@@ -558,5 +590,5 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
                              g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
-                             trust.solves + tried, form, difference_step, source, tail,
+                             trust.solves + tried, form, difference_step, source, tail, stationarity,
                              len(preconditioner.values) if stored and preconditioner is not None else 0)

@@ -216,7 +216,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                    "trust_radius": removal.trust_radius, "untrusted_l2": removal.untrusted_l2,
                    "solves": removal.solves, "ridge_lambda": strategy.ridge_lambda(state),
                    "hessian": removal.hessian, "curvature_tail": removal.curvature_tail,
-                   "preconditioner_rank": removal.preconditioner_rank}
+                   "preconditioner_rank": removal.preconditioner_rank, "stationarity": removal.stationarity}
         h = "H₋" if removal.hessian == "clients" else "H_s"
         stored = removal.preconditioner_rank
         if removal.damping == "relative":
@@ -226,6 +226,11 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         else:
             scale = (" = l2 + λ_r, the trained objective's own (the exact Newton step)"
                      if removal.damping == "objective" else " (absolute)")
+            whole = removal.curvature_tail is not None and removal.curvature_tail <= COMPLETE_TAIL * removal.l2
+            if removal.damping == "objective" and strategy.config.removal_damping == "auto":
+                scale += (" (auto: the clients' factors hold the retained clients' whole curvature)" if whole else
+                          f" (auto: ‖∇F(w*)‖ is {removal.stationarity:.2g} of the retained objective's gradient, "
+                          "w* at the objective's optimum)")
         if removal.untrusted_l2 is not None:
             scale = (f", raised from {removal.untrusted_l2:.4g}{scale} until the step fitted the trust region "
                      f"‖step‖ ≤ {removal.trust_radius:.4g} ({removal.solves} solves)")
@@ -233,6 +238,11 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         if removal.gradient == "auto" and removal.form == "anchored":
             form += (f" (auto: the clients' factors leave out {removal.curvature_tail:.3g} of curvature, at most "
                      f"{COMPLETE_TAIL:g}·λ)")
+        elif removal.gradient == "auto" and removal.difference_step is None and removal.curvature_tail is not None:
+            form += (f" (auto: the clients' factors leave out {removal.curvature_tail:.3g} of curvature, at most "
+                     f"{COMPLETE_TAIL:g}·λ, of an objective with l2 + λ_r > 0: the retrained objective's minimizer)")
+        elif removal.gradient == "auto" and removal.difference_step is None:
+            form += " (auto: at the optimum, the retained objective's gradient)"
         elif removal.gradient == "auto":
             fit = "fitted" if removal.form == "split" else "did not fit"
             form += (f" (auto: the difference form's step, {removal.difference_step:.4g}, {fit} the trust region "
