@@ -59,7 +59,7 @@ def with_model(state: GlobalState, w: TaskVector, task: str, extra: dict | None 
     return GlobalState(state.round, {**state.vectors, **vectors, **(extra or {})}, {**state.scalars, **(scalars or {})})
 
 
-def measure(folder: Path, l2: float, ranks: list[int]) -> list[dict]:
+def measure(folder: Path, l2: float, ranks: list[int], exact: bool = True, jacobian_bytes: int = 4 << 30) -> list[dict]:
     trained = open_finished_run(folder / "trained")
     env, state = trained.env, trained.state
     task, target = env.tasks[0].name, env.config.backdoor_client
@@ -78,7 +78,8 @@ def measure(folder: Path, l2: float, ranks: list[int]) -> list[dict]:
             return TaskVector.load(path)
         joined = concatenate_datasets([data[k] for k in clients])  # the n-weighted mean of the clients' terms
         start = time.perf_counter()
-        w, info = objective_minimizer(env.host, w0, joined, l2=l2, ridge=ridge, batch_size=env.config.eval_batch_size)
+        w, info = objective_minimizer(env.host, w0, joined, l2=l2, ridge=ridge, batch_size=env.config.eval_batch_size,
+                                      max_bytes=jacobian_bytes)
         before = (data_gradient(env.host, w0, w0, joined)[0] + w0 * l2).norm()
         after = (data_gradient(env.host, w, w0, joined)[0] + w * l2 + (w - w0) * ridge).norm()
         print(f"minimizer over clients {clients}: {info.iterations} CG iterations, ‖∇F‖ {after:.2e} (at w₀ "
@@ -124,11 +125,12 @@ def measure(folder: Path, l2: float, ranks: list[int]) -> list[dict]:
             s = with_model(at_optimum, w_full, task, cut, {"curvature_rank": rank})
             remove(f"F²L² default with the clients' rank-{rank} factors", s, RemovalOptions())
             remove(f"F²L², clients' rank-{rank} factors, anchored form", s, RemovalOptions(gradient="anchored"))
-    joined = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
-                               env.task_by_name[task])
-    remove("exact Newton step: the retained clients' data Hessian, λ = l2, retained form (simulation only)",
-           at_optimum, RemovalOptions(l2=l2 + ridge, gradient="retained", trust_radius=0.0, iterations=5000,
-                                      tolerance=1e-7), hessian_data=joined)
+    if exact:
+        joined = env.host.tokenize(concatenate_datasets([env.partition[k][task] for k in retained]),
+                                   env.task_by_name[task])
+        remove("exact Newton step: the retained clients' data Hessian, λ = l2, retained form (simulation only)",
+               at_optimum, RemovalOptions(l2=l2 + ridge, gradient="retained", trust_radius=0.0, iterations=5000,
+                                          tolerance=1e-7), hessian_data=joined)
     reference = rows[2]
     for r in rows:
         r["delta_ta"], r["delta_bsr"] = 100 * (r["ta"] - reference["ta"]), 100 * (r["bsr"] - reference["bsr"])
@@ -160,6 +162,11 @@ def main() -> None:
     parser.add_argument("--l2", type=float, default=0.01, help="λ of the objective's (λ/2)·‖w‖² (> 0)")
     parser.add_argument("--ranks", type=int, nargs="*", default=None,
                         help="the retained clients' curvature factor ranks to remove with (default: none; --quick: 32)")
+    parser.add_argument("--no-exact", action="store_true",
+                        help="skip the simulation-only exact step (matrix-free over the retained clients' data "
+                        "where their Jacobian exceeds 512 MiB: slow)")
+    parser.add_argument("--jacobian-gib", type=float, default=4.0,
+                        help="the largest Jacobian the minimizers form for their products (GiB)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true",
                         help="without a folder: a small digits protocol of its own in a temporary folder")
@@ -176,9 +183,9 @@ def main() -> None:
     if args.folder is None:
         with tempfile.TemporaryDirectory() as tmp:
             quick_protocol(Path(tmp))
-            measure(Path(tmp), args.l2, ranks)
+            measure(Path(tmp), args.l2, ranks, not args.no_exact, int(args.jacobian_gib * (1 << 30)))
     else:
-        measure(args.folder, args.l2, ranks)
+        measure(args.folder, args.l2, ranks, not args.no_exact, int(args.jacobian_gib * (1 << 30)))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ SCRIPTS = {
         "minilm-probe", "minilm-lora")], True),
     "f2l2_preconditioner.py": ([rf"^RATIO {form} plain/preconditioned removal time = {NUMBER} " for form in (
         "auto", "retained", "difference")], True),
+    "f2l2_at_optimum.py": ([rf"^WITHIN (?:yes|no) ΔTA \S+ ΔBSR \S+ distance {NUMBER}: F²L² default \(H_s\)$"], True),
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
                        rf"^RATIO per_task/unified bytes per round = {NUMBER}$"], False),
@@ -69,6 +70,9 @@ def test_quick_mode_prints_its_ratios(script):
         assert match, f"{script} --quick printed no line matching {pattern!r}:\n{stdout[-3000:]}"
         value = float(match.group(1))
         assert math.isfinite(value) and value > 0, match.group(0)
+    if script == "f2l2_at_optimum.py":  # the simulation-only exact Newton step lands on the retrained minimizer
+        assert re.search(r"^WITHIN yes ΔTA [+-]0\.0 ΔBSR [+-]0\.0 distance 0\.0\d\d: exact Newton step", stdout,
+                         re.MULTILINE), stdout[-3000:]
     if script == "memory_clients.py":
         # by default every client holds its own per-client state: none for FedAvg, 4 vs 100 copies
         # of a non-empty state for MaT-FL (one model per client) and FedPer (personal layers + heads)

@@ -20,7 +20,7 @@ from hf_fedtask.config import RunConfig
 from hf_fedtask.core.state import SERVER_CURVATURE, SHARED, GlobalState, curvature_name, gradient_name, head_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import load_task
-from hf_fedtask.data.backdoor import backdoor_test_set, poisoned
+from hf_fedtask.data.backdoor import backdoor_test_set, inside_spread, poisoned, within_goal
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.run import run
@@ -375,6 +375,15 @@ def test_the_clients_hessian_needs_their_factors(backdoored, tmp_path):
             **finished.state.scalars, "curvature_rank": 1}), finished.env, 0, RemovalOptions(hessian="clients"),
             hessian_data=finished.env.test_data("digits"))
     assert not (tmp_path / "a").exists()
+
+
+def test_the_goals_window_holds_its_edge():
+    """Rates are counts over n: a gap of exactly the window (0.84 against 0.85, which float arithmetic makes
+    1.0000000000000009 points) is within the goal, one test example more is not."""
+    assert within_goal({"ta": 0.84, "bsr": 0.09}, {"ta": 0.85, "bsr": 0.07})
+    assert not within_goal({"ta": 0.835, "bsr": 0.09}, {"ta": 0.85, "bsr": 0.09})
+    assert not within_goal({"ta": 0.85, "bsr": 0.095}, {"ta": 0.85, "bsr": 0.07})
+    assert inside_spread({"ta": 0.84, "bsr": 0.05}, [{"ta": 0.85, "bsr": 0.07}, {"ta": 0.86, "bsr": 0.09}])
 
 
 def test_backdoor_data_carry_the_trigger_and_the_target():

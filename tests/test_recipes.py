@@ -173,16 +173,16 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     assert rows["retrained"]["distance_to_retrain"] == 0
     assert rows["retrained, training order 2"]["distance_to_retrain"] > 0
     assert table["retraining_orders"] == ["retrained", "retrained, training order 2"]
-    assert table["default_within_goal"] == [abs(rows[table["default_row"]]["ta"] - rows[n]["ta"]) <= 0.01
-                                            and abs(rows[table["default_row"]]["bsr"] - rows[n]["bsr"]) <= 0.02
+    chosen = rows[table["default_row"]]  # the window's edge counts as inside (float error aside)
+    assert table["default_within_goal"] == [abs(chosen["ta"] - rows[n]["ta"]) <= 0.01 + 1e-11
+                                            and abs(chosen["bsr"] - rows[n]["bsr"]) <= 0.02 + 1e-11
                                             for n in table["retraining_orders"]]
     assert "Retraining's own spread over 2 training orders" in (out / "f2l2_backdoor.md").read_text()
     first, other = rows["retrained"], rows["retrained, training order 2"]  # can the window judge: order 2 vs 1
-    assert table["retraining_within_goal"] == [abs(other["ta"] - first["ta"]) <= 0.01
-                                               and abs(other["bsr"] - first["bsr"]) <= 0.02]
-    chosen = rows[table["default_row"]]
+    assert table["retraining_within_goal"] == [abs(other["ta"] - first["ta"]) <= 0.01 + 1e-11
+                                               and abs(other["bsr"] - first["bsr"]) <= 0.02 + 1e-11]
     assert table["default_inside_spread"] == all(
-        min(first[k], other[k]) - window <= chosen[k] <= max(first[k], other[k]) + window
+        min(first[k], other[k]) - window - 1e-11 <= chosen[k] <= max(first[k], other[k]) + window + 1e-11
         for k, window in (("ta", 0.01), ("bsr", 0.02)))
     (default,) = [name for name in rows if name.startswith("f2l2 (default: auto form, ρ=")]
     assert rows[default]["messages"] == 0 and rows["f2l2 split (λ=10 absolute)"]["messages"] == 0
@@ -225,8 +225,8 @@ def test_f2l2_recipe_over_seeds_tabulates_each_seed_and_their_mean(tmp_path, cap
         assert row["ta"][0] == pytest.approx(100 * (per_seed[0]["ta"] + per_seed[1]["ta"]) / 2)
         assert row["delta_bsr"][0] == pytest.approx(50 * sum(r["bsr"] - s["rows"]["retrained"]["bsr"]
                                                              for r, s in zip(per_seed, seeds)))
-        assert row["within_goal"] == sum(abs(r["ta"] - s["rows"]["retrained"]["ta"]) <= 0.01
-                                         and abs(r["bsr"] - s["rows"]["retrained"]["bsr"]) <= 0.02
+        assert row["within_goal"] == sum(abs(r["ta"] - s["rows"]["retrained"]["ta"]) <= 0.01 + 1e-11
+                                         and abs(r["bsr"] - s["rows"]["retrained"]["bsr"]) <= 0.02 + 1e-11
                                          for r, s in zip(per_seed, seeds))
     assert table["rows"]["retrained"]["within_goal"] == 2 and (out / "f2l2_backdoor.png").exists()
     assert "over 2 seeds (0, 1" in (out / "f2l2_backdoor.md").read_text()

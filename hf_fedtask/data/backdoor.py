@@ -60,17 +60,20 @@ def success_rate(predictions: np.ndarray, target: int) -> float:
     return float(np.mean(np.asarray(predictions) == target)) if len(predictions) else 0.0
 
 
+EDGE = 1e-9  # rates are counts over n: a gap on the window's edge (0.84 − 0.85) is inside it, float error aside
+
+
 def within_goal(row: dict, reference: dict) -> bool:
     """|ΔTA| ≤ `GOAL_TA` and |ΔBSR| ≤ `GOAL_BSR` points between two evaluations (`ta`, `bsr`: fractions),
     a removal and a retraining."""
-    return (abs(100 * (row["ta"] - reference["ta"])) <= GOAL_TA
-            and abs(100 * (row["bsr"] - reference["bsr"])) <= GOAL_BSR)
+    return (abs(100 * (row["ta"] - reference["ta"])) <= GOAL_TA + EDGE
+            and abs(100 * (row["bsr"] - reference["bsr"])) <= GOAL_BSR + EDGE)
 
 
 def inside_spread(row: dict, references: list[dict]) -> bool:
     """TA and BSR each inside the range that `references` (retrainings in other training orders) span, widened
     by the goal's window: the verdict where retraining misses the window against itself, so that |Δ| to one
     retraining cannot tell a removal from another retraining."""
-    return all(min(100 * r[key] for r in references) - window <= 100 * row[key]
-               <= max(100 * r[key] for r in references) + window
+    return all(min(100 * r[key] for r in references) - window - EDGE <= 100 * row[key]
+               <= max(100 * r[key] for r in references) + window + EDGE
                for key, window in (("ta", GOAL_TA), ("bsr", GOAL_BSR)))

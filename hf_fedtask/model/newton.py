@@ -168,18 +168,19 @@ def gauss_newton_product(host: PeftHost, point: TaskVector, v: TaskVector, data:
 
 
 def objective_minimizer(host: PeftHost, point: TaskVector, data: Dataset, *, l2: float = 0.0, ridge: float = 0.0,
-                        batch_size: int = 512, iterations: int = 5000,
-                        tolerance: float = 1e-7) -> tuple[TaskVector, SolveInfo]:
+                        batch_size: int = 512, iterations: int = 5000, tolerance: float = 1e-7,
+                        max_bytes: int = JACOBIAN_BYTES) -> tuple[TaskVector, SolveInfo]:
     """(w, how CG went) for w = argmin D(w) + (l2/2)·‖w‖² + (ridge/2)·‖w − w₀‖² over prepared `data`, the model
     linearized at w₀ = `point`: one exact Newton step from w₀, (H + (l2 + ridge)·I)·s = ∇D(w₀) + l2·w₀, since
     the objective is quadratic. Where training reaches it, retraining ends there in any order: the point F²L²'s
     certificate compares a removal with (`benchmarks/f2l2_at_optimum.py`). l2 + ridge must be > 0: H is
-    singular where the data span fewer directions than the model has, and the minimizer is not unique."""
+    singular where the data span fewer directions than the model has, and the minimizer is not unique.
+    `max_bytes`: the largest Jacobian formed for the products (`hessian`)."""
     damping = l2 + ridge
     if not damping > 0:
         raise ValueError(f"objective_minimizer needs l2 + ridge > 0, got l2={l2:g}, ridge={ridge:g}")
     gradient, _ = data_gradient(host, point, point, data)
-    with hessian(host, point, data, batch_size) as products:
+    with hessian(host, point, data, batch_size, max_bytes) as products:
         step, info = conjugate_gradient(products, gradient + point * l2 if l2 else gradient, damping=damping,
                                         iterations=iterations, tolerance=tolerance)
     return point - step, info

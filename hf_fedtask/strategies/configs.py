@@ -131,9 +131,9 @@ class F2L2Config(StrategyConfig):
                                   "Hessian's scale from one model to another), absolute, λ = removal_l2, "
                                   "objective, λ = l2 + λ_r: the trained objective's own Hessian (the exact Newton "
                                   "step; needs l2 or ridge > 0), or auto: objective where l2 + λ_r > 0 and either "
-                                  "the clients' curvature factors are complete or w* is the objective's optimum "
-                                  "(its gradient from the uploads at most 0.1 of the retained objective's), else "
-                                  "relative",
+                                  "the clients' curvature factors are complete or, with H_s, w* is the objective's "
+                                  "optimum (its gradient from the uploads at most 0.1 of the retained objective's), "
+                                  "else relative",
                                   choices=("auto", "relative", "absolute", "objective"))
     removal_rho: float = option(0.002, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
                                 "accuracy, a larger one lets the backdoor survive (the README's F²L² section)",

@@ -70,7 +70,7 @@ model has. With l2 or a ridge (l2 + λ_r > 0) the retained objective has one min
 certificate compares with, and two cases reach it. Complete factors give its exact Newton step from any w*
 (the objective is quadratic): `auto` takes the retained form with no trust region, and the auto damping
 (`removal_damping` auto, the default) λ = l2 + λ_r, the objective's own (the relative damping stands in for
-curvature H_s misses; complete factors miss none). And at the optimum of the full objective, which the server
+curvature H_s misses; complete factors miss none). And with H_s, at the optimum of the full objective, which the server
 reads from the uploads (‖∇F(w*)‖ = ‖Σ_k (n_k/n)·g_k + r(w*)‖ at most `STATIONARY` of ‖∇F₋(w*)‖), the auto
 damping takes λ = l2 + λ_r and `auto` the retained form (there the target, difference and retained forms
 coincide) inside the trust region: a relative λ far above l2 blocks the step where the model moved against
@@ -497,8 +497,11 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                  "difference": lambda: (retained - g_m) * (n_m / (n_rest + n_m)),
                  "retained": lambda: retained + regularizer}
         # how far w* is from the full objective's stationary point: ‖∇F(w*)‖ over ‖∇F₋(w*)‖, from the uploads
-        stationarity = None if regularized == 0 else float(
-            ((retained * n_rest + g_m * n_m) * (1 / (n_rest + n_m)) + regularizer).norm() / forms["retained"]().norm())
+        stationarity = None
+        if regularized > 0:
+            full = ((retained * n_rest + g_m * n_m) * (1 / (n_rest + n_m)) + regularizer).norm()
+            rest = forms["retained"]().norm()
+            stationarity = float(full / rest) if rest > 0 else (0.0 if full == 0 else float("inf"))
         uploaded = bool(state.scalars.get("curvature_rank"))
         if options.hessian == CLIENTS and not uploaded:
             raise ConfigError(NO_FACTORS)
@@ -523,11 +526,13 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             factor_tail(state.vectors[curvature_name(k)]) * n / n_rest for k, n in samples.items() if k != client)
         whole = regularized > 0 and tail is not None and tail <= COMPLETE_TAIL * regularized  # H₋ complete at l2+λ_r
         stationary = stationarity is not None and stationarity <= STATIONARY
+        # at the optimum, H_s's λ is the objective's; truncated factors keep the relative damping, which covers
+        # the curvature they leave out (on digits at the optimum, rank 32 at λ = l2 costs 32 points)
         if options.l2 is not None or (options.rho is None and c.removal_damping == ABSOLUTE):
             damping, rho = ABSOLUTE, None
             lam = c.removal_l2 if options.l2 is None else options.l2
         elif options.rho is None and (c.removal_damping == OBJECTIVE
-                                      or (c.removal_damping == AUTO and (whole or stationary))):
+                                      or (c.removal_damping == AUTO and (whole or (stationary and source == SERVER)))):
             damping, rho, lam = OBJECTIVE, None, regularized
         else:
             damping, rho = RELATIVE, c.removal_rho if options.rho is None else options.rho
