@@ -219,6 +219,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
                    "preconditioner_rank": removal.preconditioner_rank, "stationarity": removal.stationarity}
         h = "H₋" if removal.hessian == "clients" else "H_s"
         stored = removal.preconditioner_rank
+        whole = removal.curvature_tail is not None and removal.curvature_tail <= COMPLETE_TAIL * removal.l2
         if removal.damping == "relative":
             scale = f" = ρ·λ_max({h}) = {removal.rho:g} × {removal.lambda_max:.4g}"
             if stored:
@@ -226,7 +227,6 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         else:
             scale = (" = l2 + λ_r, the trained objective's own (the exact Newton step)"
                      if removal.damping == "objective" else " (absolute)")
-            whole = removal.curvature_tail is not None and removal.curvature_tail <= COMPLETE_TAIL * removal.l2
             if removal.damping == "objective" and strategy.config.removal_damping == "auto":
                 scale += (" (auto: the clients' factors hold the retained clients' whole curvature)" if whole else
                           f" (auto: ‖∇F(w*)‖ is {removal.stationarity:.2g} of the retained objective's gradient, "
@@ -238,7 +238,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
         if removal.gradient == "auto" and removal.form == "anchored":
             form += (f" (auto: the clients' factors leave out {removal.curvature_tail:.3g} of curvature, at most "
                      f"{COMPLETE_TAIL:g}·λ)")
-        elif removal.gradient == "auto" and removal.difference_step is None and removal.curvature_tail is not None:
+        elif removal.gradient == "auto" and removal.difference_step is None and whole:
             form += (f" (auto: the clients' factors leave out {removal.curvature_tail:.3g} of curvature, at most "
                      f"{COMPLETE_TAIL:g}·λ, of an objective with l2 + λ_r > 0: the retrained objective's minimizer)")
         elif removal.gradient == "auto" and removal.difference_step is None:
