@@ -22,20 +22,17 @@ retrained minimizer). The minimizers are cached in `<folder>/at_optimum_l2_<l2>/
 whether they are within the goal, and ‖w − w_retrained‖; a `WITHIN` line per removal.
 """
 
-import argparse
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch  # noqa: E402
 from datasets import concatenate_datasets  # noqa: E402
-from f2l2_curvature_rank import factors, quick_protocol  # noqa: E402
+from f2l2_curvature_rank import factors, folder_parser, on_folder  # noqa: E402
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.core.state import SHARED, GlobalState, curvature_name, gradient_name, head_name  # noqa: E402
@@ -157,8 +154,9 @@ def measure(folder: Path, l2: float, ranks: list[int], exact: bool = True, jacob
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, nargs="?", help="a finished recipes/f2l2_backdoor.py output folder")
+    parser = folder_parser(__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="without a folder: a small digits protocol of its own in a temporary folder, rank 32")
     parser.add_argument("--l2", type=float, default=0.01, help="λ of the objective's (λ/2)·‖w‖² (> 0)")
     parser.add_argument("--ranks", type=int, nargs="*", default=None,
                         help="the retained clients' curvature factor ranks to remove with (default: none; --quick: 32)")
@@ -167,25 +165,13 @@ def main() -> None:
                         "where their Jacobian exceeds 512 MiB: slow)")
     parser.add_argument("--jacobian-gib", type=float, default=4.0,
                         help="the largest Jacobian the minimizers form for their products (GiB)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--quick", action="store_true",
-                        help="without a folder: a small digits protocol of its own in a temporary folder")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.folder is None and not args.quick:
-        parser.error("give a finished recipes/f2l2_backdoor.py output folder (or --quick)")
     if not args.l2 > 0:
         parser.error(f"--l2 must be > 0 (it makes the minimizer unique), got {args.l2:g}")
     ranks = [32] if args.ranks is None and args.quick else (args.ranks or [])
     if ranks and min(ranks) < 1:
         parser.error(f"--ranks must be >= 1, got {min(ranks)}")
-    if args.folder is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            quick_protocol(Path(tmp))
-            measure(Path(tmp), args.l2, ranks, not args.no_exact, int(args.jacobian_gib * (1 << 30)))
-    else:
-        measure(args.folder, args.l2, ranks, not args.no_exact, int(args.jacobian_gib * (1 << 30)))
+    on_folder(parser, args, lambda a: measure(a.folder, a.l2, ranks, not a.no_exact, int(a.jacobian_gib * (1 << 30))))
 
 
 if __name__ == "__main__":

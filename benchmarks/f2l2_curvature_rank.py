@@ -71,21 +71,20 @@ def factors(env, state, task: str, rank: int, cache: Path, clients: list[int]) -
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def folder_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every script that measures a finished recipe folder takes: the folder and --threads."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("folder", type=Path, nargs="?", help="a finished recipes/f2l2_backdoor.py output folder")
-    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="default: 64 128 256 512 (--quick: 8 32)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--quick", action="store_true",
-                        help="without a folder: a small digits protocol of its own in a temporary folder, ranks 8 32")
-    args = parser.parse_args()
+    return parser
+
+
+def on_folder(parser: argparse.ArgumentParser, args, measure) -> None:
+    """`measure(args)` with `args.folder` the given folder or, with --quick, the small protocol's."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.folder is None and not args.quick:
         parser.error("give a finished recipes/f2l2_backdoor.py output folder (or --quick)")
-    args.ranks = args.ranks or ([8, 32] if args.quick else [64, 128, 256, 512])
-    if min(args.ranks) < 1:
-        parser.error(f"--ranks must be >= 1, got {min(args.ranks)}")
     if args.folder is None:
         with tempfile.TemporaryDirectory() as tmp:
             args.folder = Path(tmp)
@@ -93,6 +92,18 @@ def main() -> None:
             measure(args)
     else:
         measure(args)
+
+
+def main() -> None:
+    parser = folder_parser(__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="without a folder: a small digits protocol of its own in a temporary folder, ranks 8 32")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="default: 64 128 256 512 (--quick: 8 32)")
+    args = parser.parse_args()
+    args.ranks = args.ranks or ([8, 32] if args.quick else [64, 128, 256, 512])
+    if min(args.ranks) < 1:
+        parser.error(f"--ranks must be >= 1, got {min(args.ranks)}")
+    on_folder(parser, args, measure)
 
 
 def measure(args) -> None:
