@@ -35,14 +35,14 @@ from datasets import concatenate_datasets  # noqa: E402
 from f2l2_curvature_rank import factors, folder_parser, on_folder  # noqa: E402
 
 from hf_fedtask.core.files import write_atomic  # noqa: E402
-from hf_fedtask.core.state import SHARED, GlobalState, curvature_name, gradient_name, head_name  # noqa: E402
+from hf_fedtask.core.state import GlobalState, curvature_name, gradient_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
 from hf_fedtask.data.backdoor import GOAL_BSR, GOAL_TA, within_goal  # noqa: E402
 from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run  # noqa: E402
 from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.model.newton import data_gradient, objective_minimizer  # noqa: E402
-from hf_fedtask.strategies.base import task_model, task_point  # noqa: E402
+from hf_fedtask.strategies.base import task_model, task_point, task_vectors  # noqa: E402
 from hf_fedtask.strategies.f2l2 import RemovalOptions  # noqa: E402
 
 RELATIVE_GRADIENT = 1e-4  # a minimizer's objective gradient, relative to the one at w₀, must be below this
@@ -51,9 +51,8 @@ RELATIVE_GRADIENT = 1e-4  # a minimizer's objective gradient, relative to the on
 def with_model(state: GlobalState, w: TaskVector, task: str, extra: dict | None = None,
                scalars: dict | None = None) -> GlobalState:
     """`state` with the shared modules and `task`'s head set from `w` (and `extra` vectors / scalars added)."""
-    shared = state.vectors[SHARED]
-    vectors = {SHARED: w.filter(lambda k: k in shared), head_name(task): w.filter(lambda k: k not in shared)}
-    return GlobalState(state.round, {**state.vectors, **vectors, **(extra or {})}, {**state.scalars, **(scalars or {})})
+    return GlobalState(state.round, {**state.vectors, **task_vectors(w, state.vectors, task), **(extra or {})},
+                       {**state.scalars, **(scalars or {})})
 
 
 def measure(folder: Path, l2: float, ranks: list[int], exact: bool = True, jacobian_bytes: int = 4 << 30) -> list[dict]:

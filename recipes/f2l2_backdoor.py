@@ -58,6 +58,7 @@ from hf_fedtask.engine.run_folder import open_finished_run, read_history  # noqa
 from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.errors import ConfigError, FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
+from hf_fedtask.strategies.base import task_vectors  # noqa: E402
 from hf_fedtask.strategies.f2l2 import RemovalOptions  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
@@ -193,9 +194,7 @@ def protocol(base: RunConfig, args) -> dict:
         results = remove_client(out / "trained", target, output_dir=folder, overwrite=True, **options)
         u = results["unlearning"]
         w = TaskVector.load(folder / REMOVED_MODEL)
-        removed_state = trained.state.next({SHARED: w.filter(lambda k: k in trained.state.vectors[SHARED]),
-                                            head_name(task): w.filter(
-                                                lambda k: k not in trained.state.vectors[SHARED])})
+        removed_state = trained.state.next(task_vectors(w, trained.state.vectors, task))
         rows[name] = {"ta": u["after"][task]["accuracy"], "bsr": u["after"][task][BSR],
                       "bsr_train": poisoned_bsr(env, removed_state, target, task), "w": w,
                       "seconds": u["seconds"], "messages": u["client_messages"], "form": u.get("form"),

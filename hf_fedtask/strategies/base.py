@@ -304,6 +304,13 @@ def task_model(vectors: Mapping[str, TaskVector], task: str) -> TaskVector:
     return TaskVector({**vectors[SHARED], **vectors[head_name(task)]})
 
 
+def task_vectors(model: TaskVector, vectors: Mapping[str, TaskVector], task: str) -> dict[str, TaskVector]:
+    """`task_model`'s inverse: `model` (shared modules and `task`'s head as one vector) split into the
+    entries of `vectors` it replaces, the shared modules by `vectors`' own keys and the head."""
+    shared = vectors[SHARED]
+    return {SHARED: model.filter(lambda k: k in shared), head_name(task): model.filter(lambda k: k not in shared)}
+
+
 def task_point(vectors: Mapping[str, TaskVector], task: str) -> TaskVector:
     """The point `task`'s model is linearized around, as `vectors` (a state's, a downlink's) keep it
     (`as_point`): `task_model` of the point's copies."""

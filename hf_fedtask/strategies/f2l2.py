@@ -121,10 +121,10 @@ from hf_fedtask.strategies.base import (
     as_point,
     average_heads,
     fedavg_shared,
-    head_name,
     register_strategy,
     task_model,
     task_point,
+    task_vectors,
 )
 from hf_fedtask.strategies.configs import AUTO, GRADIENT_FORMS, HESSIANS, F2L2Config
 from hf_fedtask.strategies.fedavg import delta_update
@@ -353,8 +353,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                                        learning_rate=c.pretrain_lr, optimizer="adamw_torch", lr_scheduler="cosine",
                                        warmup_steps=0, weight_decay=0.0)
             w0, _ = LocalTrainer(env.host, args).train(w0, self.server_split(env, task)[0], seed=env.config.seed)
-        shared = state.vectors[SHARED]
-        pretrained = {SHARED: w0.filter(lambda k: k in shared), head_name(task): w0.filter(lambda k: k not in shared)}
+        pretrained = task_vectors(w0, state.vectors, task)
         vectors = as_point(pretrained)
         if c.start == "pretrained":  # w⁰ = w₀; otherwise training starts from the initialization
             vectors.update(pretrained)
@@ -589,10 +588,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                 step, trust = solve_within_radius(products, g, damping=lam, radius=radius, **solve)
         untrusted, lam, info = (lam if trust.damping != lam else None), trust.damping, trust.solve
         removed = w - step
-        shared = state.vectors[SHARED]
-        vectors = {SHARED: removed.filter(lambda k: k in shared),
-                   head_name(task): removed.filter(lambda k: k not in shared)}
-        new = GlobalState(state.round, {**state.vectors, **vectors}, dict(state.scalars))
+        new = GlobalState(state.round, {**state.vectors, **task_vectors(removed, state.vectors, task)},
+                          dict(state.scalars))
         return RemovalResult(new, client, lam, gradient, info.iterations, info.relative_residual, step.norm(),
                              g.norm(), damping, rho, lambda_max, eigen_iterations, radius, untrusted,
                              trust.solves + tried, form, difference_step, source, tail, stationarity,
