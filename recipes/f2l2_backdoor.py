@@ -59,7 +59,7 @@ from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.errors import ConfigError, FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.strategies.base import task_vectors  # noqa: E402
-from hf_fedtask.strategies.f2l2 import RemovalOptions  # noqa: E402
+from hf_fedtask.strategies.f2l2 import LOCAL_TRAINING, RemovalOptions  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client, unlearn  # noqa: E402
@@ -133,7 +133,8 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
     """The project's own client removal as a baseline: FedAvg trains the ordinary (non-linear) model
     on the same data, then `rounds` more rounds negate the target client's updates (NTKFedAvg's
     federated unlearning). Its models are not linearized at w₀, so no distance to F²L²'s retraining."""
-    config = RunConfig.from_dict({**base.to_dict(), "strategy": "fedavg", "strategy_options": {},
+    local = {k: DEFAULTS[k] for k in LOCAL_TRAINING if k in DEFAULTS}  # F²L²'s solver cg runs without them
+    config = RunConfig.from_dict({**local, **base.to_dict(), "strategy": "fedavg", "strategy_options": {},
                                   "output_dir": str(out / "fedavg_trained")}, source="recipe")
     finished_results(config) or run(config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
     negated = out / "fedavg_negated"
@@ -184,10 +185,10 @@ def protocol(base: RunConfig, args) -> dict:
     rows = {name: evaluated(env, run_.state, target, task, w=model_of(run_.state, task))
             for name, run_ in finished.items()}  # trained, retrained, then the other orders
     orders = [name for name in rows if name.startswith("retrained")]
-    round_s = statistics.median(r["seconds"] for r in trained.history if r.get("kind", "train") == "train")
+    round_s = statistics.median(r["seconds"] for r in trained.history[:-1])  # all but the gradient round
     # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
-    # each round's evaluation is included, as it is in one round's time above)
-    retrain_s = sum(r["seconds"] for r in retrained.history if r.get("kind", "train") == "train")
+    # each round's evaluation is included, as it is in one round's time above; solver cg's are queries)
+    retrain_s = sum(r["seconds"] for r in retrained.history[:-1])
     plan = removals(env.strategy.config, args.rhos, args.l2s, args.forms)
     for name, options in plan.items():
         folder = out / "removed" / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
@@ -378,7 +379,9 @@ def main(argv=None) -> int:
             raise ConfigError("give --seed (one protocol) or --seeds (several), not both")
         if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
             raise ConfigError(f"--seeds repeats a seed: {' '.join(map(str, args.seeds))}")
-        base = recipe_config(args, DEFAULTS, {})
+        # solver cg takes no local optimizer steps and refuses their options: the recipe's own are left out
+        defaults = {k: v for k, v in DEFAULTS.items() if not (args.solver == "cg" and k in LOCAL_TRAINING)}
+        base = recipe_config(args, defaults, {})
         if args.seeds is None:
             protocol(base, args)
         else:

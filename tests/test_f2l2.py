@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import Crash, crash_after
 from datasets import concatenate_datasets
 
 from hf_fedtask.cli import main
@@ -792,3 +793,48 @@ def test_a_hessian_holdout_keeps_part_of_the_server_slice_out_of_pretraining(tin
     assert on_held.lambda_max != pytest.approx(on_all.lambda_max, rel=1e-6)
     whole = _probe(tiny_bert_dir, tiny_tasks_dir, tmp_path / "x").strategy_options
     assert "hessian_holdout" not in whole  # 0 by default: D_s for both
+
+
+def test_the_cg_solver_trains_to_the_objectives_minimizer_and_retrains_to_the_retained_one(tiny_bert_dir,
+                                                                                          tiny_tasks_dir, tmp_path):
+    """`solver: cg`: the linear rounds are federated conjugate gradient (the first asks each client for its
+    data gradient, each later one for H_k·p), so the run ends at `objective_minimizer`'s point over all
+    clients' data, its metrics log ‖r‖/‖r₀‖ falling, the gradient round reads stationarity near 0 and the
+    default removal takes the objective's damping; a retraining without the client ends at the retained
+    clients' minimizer. Local optimizer options would not apply and are refused."""
+    l2, rounds = 0.05, 14
+    base = dict(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
+                peft_method="probe", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=rounds,
+                batch_size=8, max_length=16, min_samples=4, backdoor_client=0, backdoor_trigger=1, export=False)
+    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": l2, "solver": "cg"}
+    ends = {}
+    for name, excluded in (("trained", []), ("retrained", [0])):
+        run(RunConfig(**base, strategy_options=options, exclude_clients=excluded, output_dir=str(tmp_path / name)))
+        finished = open_finished_run(tmp_path / name)
+        env, state = finished.env, finished.state
+        task = env.tasks[0].name
+        w0 = task_point(state.vectors, task)
+        kept = [k for k in range(3) if k not in excluded]
+        data = concatenate_datasets([env.client_data(k)[task] for k in kept])
+        minimizer, _ = objective_minimizer(env.host, w0, data, l2=l2, tolerance=1e-8)
+        w = task_model(state.vectors, task)
+        assert (w - w0).norm() > 0.1 * (minimizer - w0).norm() > 0  # training moved
+        assert (w - minimizer).norm() <= 1e-3 * (minimizer - w0).norm()
+        ends[name] = (env, state, task)
+    history = [json.loads(line) for line in (tmp_path / "trained" / "metrics.jsonl").read_text().splitlines()]
+    residuals = [r["aggregation"]["cg_relative_residual"] for r in history if "aggregation" in r]
+    assert residuals[0] == 1.0 and residuals[-1] < 1e-4
+    assert all(r["kind"] == "query" for r in history)
+    # killed after round 3 (the direction and residual in its checkpoint), resumed: the same model
+    config = RunConfig(**base, strategy_options=options, output_dir=str(tmp_path / "resumed"))
+    with pytest.raises(Crash):
+        run(config, callbacks=[crash_after(3)])
+    run(config, resume=True)
+    env, state, task = ends["trained"]
+    resumed = open_finished_run(tmp_path / "resumed").state
+    assert (task_model(resumed.vectors, task) - task_model(state.vectors, task)).norm() == 0
+    removal = env.strategy.remove_client(state, env, 0)
+    assert removal.stationarity < 1e-2 and removal.damping == "objective"
+    with pytest.raises(ConfigError, match="solver 'cg' trains by conjugate-gradient rounds.*learning_rate"):
+        run(RunConfig(**base, strategy_options=options, learning_rate=0.1, output_dir=str(tmp_path / "refused")))
+    assert not (tmp_path / "refused").exists()

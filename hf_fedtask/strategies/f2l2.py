@@ -84,6 +84,17 @@ of accuracy that the retained form does not.
 The official code (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps
 the removal with λ it leaves out of g₋; `start: random`, `--gradient target` and a removal λ other than
 the training one reproduce it.
+`solver: cg` trains the same objective by federated conjugate gradient instead of FedAvg: the objective is
+quadratic (squared error on a model linear in w), so its minimizer solves one linear system,
+(Σ_k (n_k/n)·H_k + (l2 + λ_r)·I)·w = b, which CG reaches in as many products as the system's effective
+condition number asks. The first training round asks each client for its data gradient at w⁰ (the residual
+r₀ = −∇F(w⁰)); each later one sends the direction p and asks for H_k·p (one Gauss-Newton product over the
+client's data, an upload the size of the model, as FedAvg's), and the server takes the CG step. The server's
+factor of H_s, formed after pretraining, preconditions it (`SpectralPreconditioner` at λ = l2 + λ_r; with
+l2 = λ_r = 0 plain CG, whose iterates stay in w⁰ + H's range: the minimizer nearest w⁰, where gradient descent
+from w⁰ ends). Training so ends at the objective's optimum, the point the certificate assumes and
+`objective_minimizer` computes centrally, and retraining without a client ends at its own in any order: the
+gradient round then reads stationarity near 0 and the auto damping takes the objective's λ.
 One task per run (the removal acts on the shared model and that task's head).
 """
 
@@ -112,6 +123,7 @@ from hf_fedtask.strategies.base import (
     QUERY,
     SHARED,
     TRAIN,
+    AggregatedState,
     Capabilities,
     ClientJob,
     ClientRemoval,
@@ -134,6 +146,13 @@ SPLIT, ANCHORED = "split", "anchored"
 COMPLETE_TAIL = 0.01  # auto takes the anchored form where the factors' tail is at most this share of λ
 STATIONARY = 0.1  # auto damping: w* is at the regularized objective's optimum where ‖∇F(w*)‖ ≤ this × ‖∇F₋(w*)‖
 GRADIENT_QUERY = "data_gradient"
+CG, CG_START, CG_PRODUCT = "cg", "cg_gradient", "hessian_product"  # solver cg: its first round's query, then each
+# later training round's
+CG_TOLERANCE = 1e-6  # solver cg: stop (a zero direction, no pass over the data) at ‖r‖ ≤ this × ‖r₀‖, float32's floor
+CG_DIRECTION, CG_RESIDUAL = "f2l2_cg/direction", "f2l2_cg/residual"  # solver cg's p and r, kept in the state
+PRODUCT = "hessian_product"  # a client's answer to CG_PRODUCT: H_k·p
+LOCAL_TRAINING = ("local_epochs", "local_steps", "learning_rate", "optimizer", "lr_scheduler", "warmup_steps",
+                  "weight_decay")  # what solver cg does not use (pretraining sets its own; it keeps batch_size)
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 SERVER, CLIENTS = HESSIANS[1:]  # the removal's Hessian: the server's slice H_s, the clients' factors
 NO_FACTORS = ("f2l2 removal: hessian 'clients' needs the clients' curvature factors, and this run's clients uploaded "
@@ -272,6 +291,15 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         tasks = config.tasks or []
         if config.suite or len(tasks) != 1:
             raise ConfigError("strategy 'f2l2' trains one task per run: give `tasks` with one task and no suite")
+        if self.config.solver == CG:
+            from hf_fedtask.config import RunConfig
+
+            defaults = RunConfig.__dataclass_fields__
+            given = [name for name in LOCAL_TRAINING if getattr(config, name) != defaults[name].default]
+            if given:
+                raise ConfigError(f"f2l2: solver 'cg' trains by conjugate-gradient rounds, not local optimizer "
+                                  f"steps, so {given[0]} ({getattr(config, given[0])!r}) would not apply; leave "
+                                  f"{', '.join(given)} at their defaults or use solver 'fedavg'")
         self.total_rounds = config.rounds
 
     # -- state -------------------------------------------------------------------------------------
@@ -290,6 +318,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         vectors = {**initial.vectors, **as_point(initial.vectors)}
         if scalars.get("server_curvature_rank"):  # formed as the gradient round begins
             vectors[SERVER_CURVATURE] = self._factor_template(self._model(initial), scalars["server_curvature_rank"])
+        if phase == LINEAR and "cg_iterations" in scalars:  # solver cg's direction and residual
+            vectors.update({CG_DIRECTION: self._model(initial), CG_RESIDUAL: self._model(initial)})
         if phase == DONE:
             model = self._model(initial)
             vectors.update({gradient_name(int(c)): model for c in scalars.get("gradient_samples", {})})
@@ -338,7 +368,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
     def server_step(self, state: GlobalState, env) -> GlobalState:
         """Round 1: pretrain w₀ on D_s and keep it as the linearization point; with a ridge, set
         λ_r = ρ·λ_max(H_s) at w₀ (Lanczos on the server's slice). The gradient round: factor H_s
-        (`server_curvature_rank`) while the clients compute their gradients."""
+        (`server_curvature_rank`) while the clients compute their gradients (with solver cg, right after
+        pretraining: it preconditions the training rounds' CG)."""
         if self.phase(state) == GRADIENTS:
             return self.factor_server_hessian(state, env)
         if self.phase(state) != PRETRAIN:
@@ -364,7 +395,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             with hessian(env.host, w0, self.server_split(env, task)[1], env.config.eval_batch_size) as products:
                 lambda_max, _ = largest_eigenvalue(products, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
             scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
-        return GlobalState(state.round, {**state.vectors, **vectors}, scalars)
+        state = GlobalState(state.round, {**state.vectors, **vectors}, scalars)
+        return self.factor_server_hessian(state, env) if c.solver == CG else state  # CG's preconditioner
 
     def factor_server_hessian(self, state: GlobalState, env) -> GlobalState:
         """The state with the server's factor F_s of H_s at w₀ (`SERVER_CURVATURE`, FᵀF ≈ H_s, the top
@@ -392,16 +424,22 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         if phase == DONE:
             raise ConfigError("f2l2: the run ended with its gradient round; more rounds would make the clients' "
                               "gradients stale (start a new run)")
-        return QUERY if phase == GRADIENTS else TRAIN
+        return QUERY if phase == GRADIENTS or self.config.solver == CG else TRAIN
 
     def query_name(self, state: GlobalState) -> str:
-        return GRADIENT_QUERY if self.phase(state) == GRADIENTS else ""
+        if self.phase(state) == GRADIENTS:
+            return GRADIENT_QUERY
+        if self.config.solver == CG:
+            return CG_PRODUCT if "cg_iterations" in state.scalars else CG_START
+        return ""
 
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
         """w, the linearization point w₀ and, with a ridge, λ_r (clients cannot rebuild either: D_s is
         the server's)."""
         model = super().downlink(state, client_id, tasks)
         extra = {RIDGE: TaskVector({"lambda": torch.tensor([self.ridge_lambda(state)])})} if self.config.ridge else {}
+        if CG_DIRECTION in state.vectors and self.phase(state) == LINEAR:  # solver cg: the direction p to multiply
+            extra[CG_DIRECTION] = state.vectors[CG_DIRECTION]
         return {**model, **{point_name(k): state.vectors[point_name(k)] for k in model}, **extra}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
@@ -409,6 +447,8 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             model = self._model(state)
             rank = self.config.curvature_rank
             return {GRADIENT: model, **({CURVATURE: self._factor_template(model, rank)} if rank else {})}
+        if self.config.solver == CG:
+            return {PRODUCT if "cg_iterations" in state.scalars else GRADIENT: self._model(state)}
         return super().downlink(state, client_id, tasks)
 
     # -- client ------------------------------------------------------------------------------------
@@ -424,14 +464,21 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         return delta_update(model, job, trainer, options=options)
 
     def client_query(self, downlink, job: ClientJob, trainer) -> ClientUpdate:
-        if job.query != GRADIENT_QUERY:
+        if job.query not in (GRADIENT_QUERY, CG_START, CG_PRODUCT):
             raise ProtocolError(f"f2l2: unknown query {job.query!r}")
-        from hf_fedtask.model.newton import data_gradient
+        from hf_fedtask.model.newton import data_gradient, gauss_newton_product
 
         (task,) = job.tasks
         model, point, data = task_model(downlink, task), task_point(downlink, task), job.data[task]
+        if job.query == CG_PRODUCT:  # H_k·p; a zero direction (CG has converged) needs no pass over the data
+            direction = downlink[CG_DIRECTION]
+            product = (direction.zeros_like() if direction.norm() == 0
+                       else gauss_newton_product(trainer.host, point, direction, data))
+            return ClientUpdate(job.client_id, job.round, {PRODUCT: product}, job.num_samples(), {})
         gradient, loss = data_gradient(trainer.host, model, point, data)
         vectors = {GRADIENT: gradient}
+        if job.query == CG_START:
+            return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), {"data_loss": loss})
         if self.config.curvature_rank:  # the top eigenpairs of this client's H_k, for the removal's H₋
             vectors[CURVATURE] = client_curvature(trainer.host, model, point, data, self.config.curvature_rank,
                                                   seed=job.client_id)
@@ -446,9 +493,57 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                 vectors.update({curvature_name(u.client_id): u.vectors[CURVATURE] for u in updates})
             samples = {str(u.client_id): u.total_samples for u in updates}
             return state.next(vectors, phase=DONE, gradient_samples=samples, curvature_rank=rank)
-        vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
+        if self.config.solver == CG:
+            return self.conjugate_gradient_step(state, updates, last_training)
+        vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)
+
+    def conjugate_gradient_step(self, state: GlobalState, updates: list[ClientUpdate],
+                                last_training: bool) -> AggregatedState:
+        """Solver cg's server side: one iteration of preconditioned CG on ∇F(w) = 0 (Hestenes-Stiefel, as
+        `hf_fedtask.model.newton.conjugate_gradient`, whose loop needs all of A at once; here each product
+        A·p = Σ_k (n_k/n)·H_k·p + (l2 + λ_r)·p is a round). The first round's uploads are the clients' data
+        gradients at w⁰, which give r₀ = −∇F(w⁰); each later round's are H_k·p. The diagnostics log
+        ‖r‖/‖r₀‖ each round; at `CG_TOLERANCE` the direction becomes zero and the model stays."""
+        from hf_fedtask.model.newton import SpectralPreconditioner
+
+        task, n = self._task(state), sum(u.total_samples for u in updates)
+        w, w0 = self._model(state), task_point(state.vectors, task)
+        lam = self.config.l2 + self.ridge_lambda(state)
+        factor = state.vectors.get(SERVER_CURVATURE) if lam > 0 else None  # M⁻¹ divides by λ beyond its span
+        precondition = (lambda r: r) if factor is None else (lambda r: SpectralPreconditioner(factor)(r, lam))
+        scalars = dict(state.scalars)
+        if "cg_iterations" not in scalars:  # r₀ = −∇F(w⁰) from the clients' data gradients
+            gradient = sum((u.vectors[GRADIENT] * (u.total_samples / n) for u in updates), w.zeros_like())
+            r = (gradient + w * self.config.l2 + (w - w0) * self.ridge_lambda(state)) * -1.0
+            z = precondition(r)
+            p, rz, initial = z, float(r.dot(z)), float(r.norm())
+            scalars.update(cg_iterations=0, cg_initial=initial)
+        else:
+            p, r, rz = state.vectors[CG_DIRECTION], state.vectors[CG_RESIDUAL], scalars["cg_rz"]
+            if p.norm() > 0:
+                ap = sum((u.vectors[PRODUCT] * (u.total_samples / n) for u in updates), w.zeros_like()) + p * lam
+                alpha = rz / float(p.dot(ap))
+                w, r = w + p * alpha, r - ap * alpha
+                scalars["cg_iterations"] += 1
+                if r.norm() <= CG_TOLERANCE * scalars["cg_initial"]:
+                    p = p.zeros_like()
+                else:
+                    z = precondition(r)
+                    rz_new = float(r.dot(z))
+                    p, rz = z + p * (rz_new / rz), rz_new
+        relative = float(r.norm()) / scalars["cg_initial"] if scalars["cg_initial"] > 0 else 0.0
+        if relative == 0:
+            p = p.zeros_like()
+        scalars.update(cg_rz=rz, cg_relative_residual=relative, phase=GRADIENTS if last_training else LINEAR)
+        vectors = {k: v for k, v in state.vectors.items() if k not in (CG_DIRECTION, CG_RESIDUAL)}
+        if not last_training:  # the gradient round needs neither
+            vectors.update({CG_DIRECTION: p, CG_RESIDUAL: r})
+        vectors.update(task_vectors(w, state.vectors, task))
+        return AggregatedState(state.round + 1, vectors, scalars,
+                               diagnostics={"cg_iterations": scalars["cg_iterations"],
+                                            "cg_relative_residual": relative})
 
     # -- removal -----------------------------------------------------------------------------------
     def remove_client(self, state: GlobalState, env, client: int, options: RemovalOptions | None = None, *,
