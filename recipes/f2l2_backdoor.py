@@ -133,7 +133,7 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
     """The project's own client removal as a baseline: FedAvg trains the ordinary (non-linear) model
     on the same data, then `rounds` more rounds negate the target client's updates (NTKFedAvg's
     federated unlearning). Its models are not linearized at w₀, so no distance to F²L²'s retraining."""
-    local = {k: DEFAULTS[k] for k in LOCAL_TRAINING if k in DEFAULTS}  # F²L²'s solver cg runs without them
+    local = {k: DEFAULTS[k] for k in LOCAL_TRAINING if k in DEFAULTS}  # F²L²'s linear_solver cg runs without them
     config = RunConfig.from_dict({**local, **base.to_dict(), "strategy": "fedavg", "strategy_options": {},
                                   "output_dir": str(out / "fedavg_trained")}, source="recipe")
     finished_results(config) or run(config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
@@ -187,7 +187,7 @@ def protocol(base: RunConfig, args) -> dict:
     orders = [name for name in rows if name.startswith("retrained")]
     round_s = statistics.median(r["seconds"] for r in trained.history[:-1])  # all but the gradient round
     # what retraining costs: the retrained run's training rounds (round 1 holds the server's pretraining;
-    # each round's evaluation is included, as it is in one round's time above; solver cg's are queries)
+    # each round's evaluation is included, as it is in one round's time above; linear_solver cg's are queries)
     retrain_s = sum(r["seconds"] for r in retrained.history[:-1])
     plan = removals(env.strategy.config, args.rhos, args.l2s, args.forms)
     for name, options in plan.items():
@@ -379,8 +379,8 @@ def main(argv=None) -> int:
             raise ConfigError("give --seed (one protocol) or --seeds (several), not both")
         if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
             raise ConfigError(f"--seeds repeats a seed: {' '.join(map(str, args.seeds))}")
-        # solver cg takes no local optimizer steps and refuses their options: the recipe's own are left out
-        defaults = {k: v for k, v in DEFAULTS.items() if not (args.solver == "cg" and k in LOCAL_TRAINING)}
+        # linear_solver cg takes no local optimizer steps and refuses their options: the recipe's own are left out
+        defaults = {k: v for k, v in DEFAULTS.items() if not (args.linear_solver == "cg" and k in LOCAL_TRAINING)}
         base = recipe_config(args, defaults, {})
         if args.seeds is None:
             protocol(base, args)

@@ -797,7 +797,7 @@ def test_a_hessian_holdout_keeps_part_of_the_server_slice_out_of_pretraining(tin
 
 def test_the_cg_solver_trains_to_the_objectives_minimizer_and_retrains_to_the_retained_one(tiny_bert_dir,
                                                                                           tiny_tasks_dir, tmp_path):
-    """`solver: cg`: the linear rounds are federated conjugate gradient (the first asks each client for its
+    """`linear_solver: cg`: the linear rounds are federated conjugate gradient (the first asks each client for its
     data gradient, each later one for H_k·p), so the run ends at `objective_minimizer`'s point over all
     clients' data, its metrics log ‖r‖/‖r₀‖ falling, the gradient round reads stationarity near 0 and the
     default removal takes the objective's damping; a retraining without the client ends at the retained
@@ -806,7 +806,7 @@ def test_the_cg_solver_trains_to_the_objectives_minimizer_and_retrains_to_the_re
     base = dict(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
                 peft_method="probe", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=rounds,
                 batch_size=8, max_length=16, min_samples=4, backdoor_client=0, backdoor_trigger=1, export=False)
-    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": l2, "solver": "cg"}
+    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": l2, "linear_solver": "cg"}
     ends = {}
     for name, excluded in (("trained", []), ("retrained", [0])):
         run(RunConfig(**base, strategy_options=options, exclude_clients=excluded, output_dir=str(tmp_path / name)))
@@ -835,6 +835,6 @@ def test_the_cg_solver_trains_to_the_objectives_minimizer_and_retrains_to_the_re
     assert (task_model(resumed.vectors, task) - task_model(state.vectors, task)).norm() == 0
     removal = env.strategy.remove_client(state, env, 0)
     assert removal.stationarity < 1e-2 and removal.damping == "objective"
-    with pytest.raises(ConfigError, match="solver 'cg' trains by conjugate-gradient rounds.*learning_rate"):
+    with pytest.raises(ConfigError, match="linear_solver 'cg' trains by conjugate-gradient rounds.*learning_rate"):
         run(RunConfig(**base, strategy_options=options, learning_rate=0.1, output_dir=str(tmp_path / "refused")))
     assert not (tmp_path / "refused").exists()

@@ -129,7 +129,7 @@ def reference_run(tmp_path):
     # curvature factors in a query round
     ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "ridge": 0.1, "curvature_rank": 4}, {"one_task": True}),
     # federated conjugate gradient: its direction sent down and the clients' Hessian-vector products up
-    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": 0.01, "solver": "cg"},
+    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": 0.01, "linear_solver": "cg"},
      {"one_task": True, "rounds": 3, "local_steps": -1, "learning_rate": 5e-3}),
 ])
 def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny_bert_dir, tiny_tasks_dir, tmp_path,
@@ -139,7 +139,7 @@ def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny
     grid = drive(config)
     assert_same_run(reference_run(config), tmp_path / "flower", grid.stores())
     kinds = set(grid.message_types)
-    assert "query.discover" in kinds and ("train" in kinds) == (options.get("solver") != "cg")
+    assert "query.discover" in kinds and ("train" in kinds) == (options.get("linear_solver") != "cg")
     assert ("evaluate" in kinds) == (strategy == "fedper")
 
 

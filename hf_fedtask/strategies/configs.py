@@ -159,15 +159,15 @@ class F2L2Config(StrategyConfig):
                                         minimum=0)
     start: str = option("pretrained", "w⁰ of federated training: the pretrained w₀, or the run's fresh "
                         "initialization (the official code's)", choices=("pretrained", "random"))
-    solver: str = option("fedavg", "how the clients train the linearized model: fedavg, local epochs of the run's "
-                         "optimizer averaged each round (the paper's FLT), or cg, federated conjugate gradient on "
-                         "the quadratic objective (the loss is squared error on a model linear in w): each round "
-                         "every client returns its data term's Hessian-vector product with the server's direction "
-                         "(one pass over its data, an upload of the model's size), preconditioned by the server's "
-                         "factor of H_s, so training reaches the objective's unique optimum, the point the "
-                         "certified removal assumes, in about as many rounds as CG iterations (with l2 = ridge = 0, "
-                         "unpreconditioned, the minimizer nearest w⁰, where gradient descent from w⁰ would end; the "
-                         "run's local training options do not apply)", choices=("fedavg", "cg"))
+    linear_solver: str = option(
+        "fedavg", "how the clients train the linearized model: fedavg, local epochs of the run's optimizer averaged "
+        "each round (the paper's FLT), or cg, federated conjugate gradient on the quadratic objective (the loss is "
+        "squared error on a model linear in w): each round every client returns its data term's Hessian-vector "
+        "product with the server's direction (one pass over its data, an upload of the model's size), "
+        "preconditioned by the server's factor of H_s, so training reaches the objective's unique optimum, the "
+        "point the certified removal assumes, in about as many rounds as CG iterations (with l2 = ridge = 0, "
+        "unpreconditioned, the minimizer nearest w⁰, where gradient descent from w⁰ would end; the run's local "
+        "training options do not apply)", choices=("fedavg", "cg"))
 
     def validate(self) -> None:
         if self.server_fraction <= 0:

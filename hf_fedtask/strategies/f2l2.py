@@ -84,7 +84,7 @@ of accuracy that the retained form does not.
 The official code (Nanboy-Ronan/2F2L-Federated-Unlearning) trains from a fresh init with λ = 0 and damps
 the removal with λ it leaves out of g₋; `start: random`, `--gradient target` and a removal λ other than
 the training one reproduce it.
-`solver: cg` trains the same objective by federated conjugate gradient instead of FedAvg: the objective is
+`linear_solver: cg` trains the same objective by federated conjugate gradient instead of FedAvg: the objective is
 quadratic (squared error on a model linear in w), so its minimizer solves one linear system,
 (Σ_k (n_k/n)·H_k + (l2 + λ_r)·I)·w = b, which CG reaches in as many products as the system's effective
 condition number asks. The first training round asks each client for its data gradient at w⁰ (the residual
@@ -146,13 +146,13 @@ SPLIT, ANCHORED = "split", "anchored"
 COMPLETE_TAIL = 0.01  # auto takes the anchored form where the factors' tail is at most this share of λ
 STATIONARY = 0.1  # auto damping: w* is at the regularized objective's optimum where ‖∇F(w*)‖ ≤ this × ‖∇F₋(w*)‖
 GRADIENT_QUERY = "data_gradient"
-CG, CG_START, CG_PRODUCT = "cg", "cg_gradient", "hessian_product"  # solver cg: its first round's query, then each
-# later training round's
-CG_TOLERANCE = 1e-6  # solver cg: stop (a zero direction, no pass over the data) at ‖r‖ ≤ this × ‖r₀‖, float32's floor
-CG_DIRECTION, CG_RESIDUAL = "f2l2_cg/direction", "f2l2_cg/residual"  # solver cg's p and r, kept in the state
+# linear_solver cg: its value, its first round's query, then each later training round's
+CG, CG_START, CG_PRODUCT = "cg", "cg_gradient", "hessian_product"
+CG_TOLERANCE = 1e-6  # stop (a zero direction, no pass over the data) at ‖r‖ ≤ this × ‖r₀‖, float32's floor
+CG_DIRECTION, CG_RESIDUAL = "f2l2_cg/direction", "f2l2_cg/residual"  # its p and r, kept in the state
 PRODUCT = "hessian_product"  # a client's answer to CG_PRODUCT: H_k·p
 LOCAL_TRAINING = ("local_epochs", "local_steps", "learning_rate", "optimizer", "lr_scheduler", "warmup_steps",
-                  "weight_decay")  # what solver cg does not use (pretraining sets its own; it keeps batch_size)
+                  "weight_decay")  # what linear_solver cg does not use (pretraining sets its own; it keeps batch_size)
 RELATIVE, ABSOLUTE, OBJECTIVE = "relative", "absolute", "objective"
 SERVER, CLIENTS = HESSIANS[1:]  # the removal's Hessian: the server's slice H_s, the clients' factors
 NO_FACTORS = ("f2l2 removal: hessian 'clients' needs the clients' curvature factors, and this run's clients uploaded "
@@ -291,15 +291,13 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         tasks = config.tasks or []
         if config.suite or len(tasks) != 1:
             raise ConfigError("strategy 'f2l2' trains one task per run: give `tasks` with one task and no suite")
-        if self.config.solver == CG:
-            from hf_fedtask.config import RunConfig
-
-            defaults = RunConfig.__dataclass_fields__
-            given = [name for name in LOCAL_TRAINING if getattr(config, name) != defaults[name].default]
+        if self.config.linear_solver == CG:
+            defaults = {f.name: f.default for f in dataclasses.fields(config)}  # the run config's own defaults
+            given = [name for name in LOCAL_TRAINING if getattr(config, name) != defaults[name]]
             if given:
-                raise ConfigError(f"f2l2: solver 'cg' trains by conjugate-gradient rounds, not local optimizer "
+                raise ConfigError(f"f2l2: linear_solver 'cg' trains by conjugate-gradient rounds, not local optimizer "
                                   f"steps, so {given[0]} ({getattr(config, given[0])!r}) would not apply; leave "
-                                  f"{', '.join(given)} at their defaults or use solver 'fedavg'")
+                                  f"{', '.join(given)} at their defaults or use linear_solver 'fedavg'")
         self.total_rounds = config.rounds
 
     # -- state -------------------------------------------------------------------------------------
@@ -318,7 +316,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         vectors = {**initial.vectors, **as_point(initial.vectors)}
         if scalars.get("server_curvature_rank"):  # formed as the gradient round begins
             vectors[SERVER_CURVATURE] = self._factor_template(self._model(initial), scalars["server_curvature_rank"])
-        if phase == LINEAR and "cg_iterations" in scalars:  # solver cg's direction and residual
+        if phase == LINEAR and "cg_iterations" in scalars:  # linear_solver cg's direction and residual
             vectors.update({CG_DIRECTION: self._model(initial), CG_RESIDUAL: self._model(initial)})
         if phase == DONE:
             model = self._model(initial)
@@ -368,7 +366,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
     def server_step(self, state: GlobalState, env) -> GlobalState:
         """Round 1: pretrain w₀ on D_s and keep it as the linearization point; with a ridge, set
         λ_r = ρ·λ_max(H_s) at w₀ (Lanczos on the server's slice). The gradient round: factor H_s
-        (`server_curvature_rank`) while the clients compute their gradients (with solver cg, right after
+        (`server_curvature_rank`) while the clients compute their gradients (with linear_solver cg, right after
         pretraining: it preconditions the training rounds' CG)."""
         if self.phase(state) == GRADIENTS:
             return self.factor_server_hessian(state, env)
@@ -396,7 +394,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                 lambda_max, _ = largest_eigenvalue(products, w0, iterations=EIGEN_ITERATIONS, seed=env.config.seed)
             scalars.update(ridge_lambda=c.ridge * lambda_max, ridge_lambda_max=lambda_max)
         state = GlobalState(state.round, {**state.vectors, **vectors}, scalars)
-        return self.factor_server_hessian(state, env) if c.solver == CG else state  # CG's preconditioner
+        return self.factor_server_hessian(state, env) if c.linear_solver == CG else state  # CG's preconditioner
 
     def factor_server_hessian(self, state: GlobalState, env) -> GlobalState:
         """The state with the server's factor F_s of H_s at w₀ (`SERVER_CURVATURE`, FᵀF ≈ H_s, the top
@@ -424,12 +422,12 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         if phase == DONE:
             raise ConfigError("f2l2: the run ended with its gradient round; more rounds would make the clients' "
                               "gradients stale (start a new run)")
-        return QUERY if phase == GRADIENTS or self.config.solver == CG else TRAIN
+        return QUERY if phase == GRADIENTS or self.config.linear_solver == CG else TRAIN
 
     def query_name(self, state: GlobalState) -> str:
         if self.phase(state) == GRADIENTS:
             return GRADIENT_QUERY
-        if self.config.solver == CG:
+        if self.config.linear_solver == CG:
             return CG_PRODUCT if "cg_iterations" in state.scalars else CG_START
         return ""
 
@@ -438,7 +436,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         the server's)."""
         model = super().downlink(state, client_id, tasks)
         extra = {RIDGE: TaskVector({"lambda": torch.tensor([self.ridge_lambda(state)])})} if self.config.ridge else {}
-        if CG_DIRECTION in state.vectors and self.phase(state) == LINEAR:  # solver cg: the direction p to multiply
+        if CG_DIRECTION in state.vectors and self.phase(state) == LINEAR:  # linear_solver cg: the direction p
             extra[CG_DIRECTION] = state.vectors[CG_DIRECTION]
         return {**model, **{point_name(k): state.vectors[point_name(k)] for k in model}, **extra}
 
@@ -447,7 +445,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             model = self._model(state)
             rank = self.config.curvature_rank
             return {GRADIENT: model, **({CURVATURE: self._factor_template(model, rank)} if rank else {})}
-        if self.config.solver == CG:
+        if self.config.linear_solver == CG:
             return {PRODUCT if "cg_iterations" in state.scalars else GRADIENT: self._model(state)}
         return super().downlink(state, client_id, tasks)
 
@@ -494,14 +492,14 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             samples = {str(u.client_id): u.total_samples for u in updates}
             return state.next(vectors, phase=DONE, gradient_samples=samples, curvature_rank=rank)
         last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
-        if self.config.solver == CG:
+        if self.config.linear_solver == CG:
             return self.conjugate_gradient_step(state, updates, last_training)
         vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)
 
     def conjugate_gradient_step(self, state: GlobalState, updates: list[ClientUpdate],
                                 last_training: bool) -> AggregatedState:
-        """Solver cg's server side: one iteration of preconditioned CG on ∇F(w) = 0 (Hestenes-Stiefel, as
+        """linear_solver cg's server side: one iteration of preconditioned CG on ∇F(w) = 0 (Hestenes-Stiefel, as
         `hf_fedtask.model.newton.conjugate_gradient`, whose loop needs all of A at once; here each product
         A·p = Σ_k (n_k/n)·H_k·p + (l2 + λ_r)·p is a round). The first round's uploads are the clients' data
         gradients at w⁰, which give r₀ = −∇F(w⁰); each later round's are H_k·p. The diagnostics log
