@@ -227,33 +227,51 @@ def conjugate_gradient(apply: Callable[[TaskVector], TaskVector], b: TaskVector,
         rhs, previous = remaining, residual
 
 
+@dataclass
+class CGIterate:
+    """Where (preconditioned) CG stands on A·x = b: the iterate x, the residual r = b − A·x (as updated), the
+    direction p and rz = r·M⁻¹r. One step needs one product A·p, so a federated server can take it a round at
+    a time (F²L²'s `linear_solver: cg`), the same iteration `conjugate_gradient` loops over."""
+
+    x: TaskVector
+    r: TaskVector
+    p: TaskVector
+    rz: float
+
+    @staticmethod
+    def start(x: TaskVector, r: TaskVector, precondition: Callable[[TaskVector], TaskVector]) -> CGIterate:
+        z = precondition(r)
+        return CGIterate(x, r, z, float(r.dot(z)))
+
+    def step(self, ap: TaskVector, precondition: Callable[[TaskVector], TaskVector], stop: float,
+             plain: bool = False) -> tuple[CGIterate, bool]:
+        """(the next iterate, whether CG stops: ‖r‖ ≤ `stop`, or A is numerically singular along p) from
+        ap = A·p. `plain`: no preconditioner, whose rz is ‖r‖² already (no norm to take)."""
+        curvature = float(self.p.dot(ap))
+        if curvature <= 0:  # numerically singular along p (damping 0): stop with what we have
+            return self, True
+        alpha = self.rz / curvature
+        x, r = self.x + self.p * alpha, self.r - ap * alpha
+        z = precondition(r)
+        rz = float(r.dot(z))
+        if (rz ** 0.5 if plain else float(r.norm())) <= stop:  # ‖r‖ ≤ tol·‖b‖
+            return CGIterate(x, r, self.p, rz), True
+        return CGIterate(x, r, z + self.p * (rz / self.rz), rz), False
+
+
 def _cg(product: Callable[[TaskVector], TaskVector], b: TaskVector, iterations: int, stop: float, damping: float,
         preconditioner) -> tuple[TaskVector, int]:
     """(x, iterations) of (preconditioned) CG for product(x) = b from x = 0, until ‖r‖ ≤ `stop`."""
     def precondition(r: TaskVector) -> TaskVector:
         return r if preconditioner is None else preconditioner(r, damping)
 
-    x = b.zeros_like()
-    r = b.clone()
-    z = precondition(r)
-    p = z.clone()
-    rz = r.dot(z)
+    iterate = CGIterate.start(b.zeros_like(), b.clone(), precondition)
     done = 0
     for done in range(1, iterations + 1):
-        ap = product(p)
-        curvature = p.dot(ap)
-        if curvature <= 0:  # numerically singular along p (damping 0): stop with what we have
+        iterate, stopped = iterate.step(product(iterate.p), precondition, stop, plain=preconditioner is None)
+        if stopped:
             break
-        alpha = rz / curvature
-        x = x + p * alpha
-        r = r - ap * alpha
-        z = precondition(r)
-        rz_new = r.dot(z)
-        if (rz_new ** 0.5 if preconditioner is None else r.norm()) <= stop:  # ‖r‖ ≤ tol·‖b‖
-            break
-        p = z + p * (rz_new / rz)
-        rz = rz_new
-    return x, done
+    return iterate.x, done
 
 
 class SpectralPreconditioner:

@@ -499,12 +499,12 @@ class F2L2(Strategy, Linearized, ClientRemoval):
 
     def conjugate_gradient_step(self, state: GlobalState, updates: list[ClientUpdate],
                                 last_training: bool) -> AggregatedState:
-        """linear_solver cg's server side: one iteration of preconditioned CG on ∇F(w) = 0 (Hestenes-Stiefel, as
-        `hf_fedtask.model.newton.conjugate_gradient`, whose loop needs all of A at once; here each product
-        A·p = Σ_k (n_k/n)·H_k·p + (l2 + λ_r)·p is a round). The first round's uploads are the clients' data
-        gradients at w⁰, which give r₀ = −∇F(w⁰); each later round's are H_k·p. The diagnostics log
-        ‖r‖/‖r₀‖ each round; at `CG_TOLERANCE` the direction becomes zero and the model stays."""
-        from hf_fedtask.model.newton import SpectralPreconditioner
+        """linear_solver cg's server side: one iteration of preconditioned CG on ∇F(w) = 0 (`CGIterate`, the
+        iteration `conjugate_gradient` loops over; here each product A·p = Σ_k (n_k/n)·H_k·p + (l2 + λ_r)·p is a
+        round). The first round's uploads are the clients' data gradients at w⁰, which give r₀ = −∇F(w⁰); each
+        later round's are H_k·p. The diagnostics log ‖r‖/‖r₀‖ each round; at `CG_TOLERANCE` the direction
+        becomes zero and the model stays."""
+        from hf_fedtask.model.newton import CGIterate, SpectralPreconditioner
 
         task, n = self._task(state), sum(u.total_samples for u in updates)
         w, w0 = self._model(state), task_point(state.vectors, task)
@@ -512,33 +512,27 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         factor = state.vectors.get(SERVER_CURVATURE) if lam > 0 else None  # M⁻¹ divides by λ beyond its span
         precondition = (lambda r: r) if factor is None else (lambda r: SpectralPreconditioner(factor)(r, lam))
         scalars = dict(state.scalars)
+
+        def mean(name: str) -> TaskVector:  # Σ_k (n_k/n)·upload_k
+            return sum((u.vectors[name] * (u.total_samples / n) for u in updates), w.zeros_like())
+
         if "cg_iterations" not in scalars:  # r₀ = −∇F(w⁰) from the clients' data gradients
-            gradient = sum((u.vectors[GRADIENT] * (u.total_samples / n) for u in updates), w.zeros_like())
-            r = (gradient + w * self.config.l2 + (w - w0) * self.ridge_lambda(state)) * -1.0
-            z = precondition(r)
-            p, rz, initial = z, float(r.dot(z)), float(r.norm())
-            scalars.update(cg_iterations=0, cg_initial=initial)
+            r = (mean(GRADIENT) + w * self.config.l2 + (w - w0) * self.ridge_lambda(state)) * -1.0
+            iterate, stopped = CGIterate.start(w, r, precondition), r.norm() == 0
+            scalars.update(cg_iterations=0, cg_initial=float(r.norm()))
         else:
-            p, r, rz = state.vectors[CG_DIRECTION], state.vectors[CG_RESIDUAL], scalars["cg_rz"]
-            if p.norm() > 0:
-                ap = sum((u.vectors[PRODUCT] * (u.total_samples / n) for u in updates), w.zeros_like()) + p * lam
-                alpha = rz / float(p.dot(ap))
-                w, r = w + p * alpha, r - ap * alpha
+            iterate = CGIterate(w, state.vectors[CG_RESIDUAL], state.vectors[CG_DIRECTION], scalars["cg_rz"])
+            stopped = iterate.p.norm() == 0
+            if not stopped:
+                iterate, stopped = iterate.step(mean(PRODUCT) + iterate.p * lam, precondition,
+                                                CG_TOLERANCE * scalars["cg_initial"])
                 scalars["cg_iterations"] += 1
-                if r.norm() <= CG_TOLERANCE * scalars["cg_initial"]:
-                    p = p.zeros_like()
-                else:
-                    z = precondition(r)
-                    rz_new = float(r.dot(z))
-                    p, rz = z + p * (rz_new / rz), rz_new
-        relative = float(r.norm()) / scalars["cg_initial"] if scalars["cg_initial"] > 0 else 0.0
-        if relative == 0:
-            p = p.zeros_like()
-        scalars.update(cg_rz=rz, cg_relative_residual=relative, phase=GRADIENTS if last_training else LINEAR)
+        relative = float(iterate.r.norm()) / scalars["cg_initial"] if scalars["cg_initial"] > 0 else 0.0
+        scalars.update(cg_rz=iterate.rz, cg_relative_residual=relative, phase=GRADIENTS if last_training else LINEAR)
         vectors = {k: v for k, v in state.vectors.items() if k not in (CG_DIRECTION, CG_RESIDUAL)}
-        if not last_training:  # the gradient round needs neither
-            vectors.update({CG_DIRECTION: p, CG_RESIDUAL: r})
-        vectors.update(task_vectors(w, state.vectors, task))
+        if not last_training:  # the gradient round needs neither; a zero direction: converged, no more passes
+            vectors.update({CG_DIRECTION: iterate.p.zeros_like() if stopped else iterate.p, CG_RESIDUAL: iterate.r})
+        vectors.update(task_vectors(iterate.x, state.vectors, task))
         return AggregatedState(state.round + 1, vectors, scalars,
                                diagnostics={"cg_iterations": scalars["cg_iterations"],
                                             "cg_relative_residual": relative})
