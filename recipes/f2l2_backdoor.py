@@ -113,6 +113,8 @@ def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
                  for rho in rhos if rho != default_rho})
     rows.update({f"f2l2 split (λ={l2:g} absolute)": {"l2": l2, "gradient": "split", **free} for l2 in l2s})
     rows.update({f"f2l2 {form} (default damping)": {"gradient": form} for form in ("split", "target", "retained")})
+    if c.l2 > 0 and c.ridge == 0:  # the objective's own λ, whatever the auto damping reads from the uploads
+        rows[f"f2l2 retained (the objective's λ = l2 = {c.l2:g})"] = {"gradient": "retained", "l2": c.l2}
     rows.update({f"f2l2 {form} (ρ={rho:g})": {"gradient": form, "rho": rho, **free}
                  for form in forms for rho in rhos if rho != default_rho})
     rows["SGA"] = {"method": "sga", "sga_lr": 1e-2}
