@@ -53,7 +53,6 @@ from datasets import concatenate_datasets  # noqa: E402
 
 from hf_fedtask.config import RunConfig  # noqa: E402
 from hf_fedtask.core.files import write_atomic  # noqa: E402
-from hf_fedtask.core.state import SHARED, head_name  # noqa: E402
 from hf_fedtask.core.taskvector import TaskVector  # noqa: E402
 from hf_fedtask.data.backdoor import GOAL_BSR, GOAL_TA, inside_spread, within_goal  # noqa: E402
 from hf_fedtask.data.backdoor import METRIC as BSR  # noqa: E402
@@ -62,7 +61,7 @@ from hf_fedtask.engine.run_folder import open_finished_run, read_history  # noqa
 from hf_fedtask.engine.server import Server  # noqa: E402
 from hf_fedtask.errors import ConfigError, FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
-from hf_fedtask.strategies.base import task_vectors  # noqa: E402
+from hf_fedtask.strategies.base import task_model, task_vectors  # noqa: E402
 from hf_fedtask.strategies.f2l2 import LOCAL_TRAINING, RemovalOptions  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
 from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
@@ -125,10 +124,6 @@ def removals(strategy_config, rhos, l2s, forms=()) -> dict[str, dict]:
     return rows
 
 
-def model_of(state, task: str) -> TaskVector:
-    return TaskVector({**state.vectors[SHARED], **state.vectors[head_name(task)]})
-
-
 def poisoned_bsr(env, state, client: int, task: str) -> float:
     """The official code's BSR: the share of the target client's (poisoned) training set put in the target class."""
     preds = Server(env).predict(state, task, env.client_data(client)[task])
@@ -139,8 +134,10 @@ def negation_rows(base: RunConfig, out: Path, target: int, task: str, rounds: in
     """The project's own client removal as a baseline: FedAvg trains the ordinary (non-linear) model
     on the same data, then `rounds` more rounds negate the target client's updates (NTKFedAvg's
     federated unlearning). Its models are not linearized at w₀, so no distance to F²L²'s retraining."""
-    local = {k: DEFAULTS[k] for k in LOCAL_TRAINING if k in DEFAULTS}  # F²L²'s linear_solver cg runs without them
-    config = RunConfig.from_dict({**local, **base.to_dict(), "strategy": "fedavg", "strategy_options": {},
+    # F²L²'s linear_solver cg runs without the recipe's local optimizer defaults; the FedAvg baseline needs them
+    cg = base.strategy_options.get("linear_solver") == "cg"
+    local = {k: DEFAULTS[k] for k in LOCAL_TRAINING if k in DEFAULTS} if cg else {}
+    config = RunConfig.from_dict({**base.to_dict(), **local, "strategy": "fedavg", "strategy_options": {},
                                   "output_dir": str(out / "fedavg_trained")}, source="recipe")
     finished_results(config) or run(config, resume=(Path(config.output_dir) / "checkpoint.safetensors").exists())
     negated = out / "fedavg_negated"
@@ -188,7 +185,7 @@ def protocol(base: RunConfig, args) -> dict:
     finished = {name: open_finished_run(config.output_dir) for name, config in configs.items()}
     trained, retrained = finished["trained"], finished["retrained"]
     env, task = trained.env, trained.env.tasks[0].name
-    rows = {name: evaluated(env, run_.state, target, task, w=model_of(run_.state, task))
+    rows = {name: evaluated(env, run_.state, target, task, w=task_model(run_.state.vectors, task))
             for name, run_ in finished.items()}  # trained, retrained, then the other orders
     orders = [name for name in rows if name.startswith("retrained")]
     round_s = statistics.median(r["seconds"] for r in trained.history[:-1])  # all but the gradient round
@@ -222,15 +219,16 @@ def protocol(base: RunConfig, args) -> dict:
     oracle = env.strategy.remove_client(trained.state, env, target, raw, hessian_data=retained_data)
     default = env.strategy.remove_client(trained.state, env, target,  # with the Hessian the default took
                                          dataclasses.replace(raw, hessian=first["hessian"] or "server"))
+    w_oracle, w_default = task_model(oracle.state.vectors, task), task_model(default.state.vectors, task)
     rows["f2l2 default form and damping, the retained clients' own Hessian (simulation only)"] = evaluated(
-        env, oracle.state, target, task, w=model_of(oracle.state, task), form=oracle.form, hessian="retained data",
+        env, oracle.state, target, task, w=w_oracle, form=oracle.form, hessian="retained data",
         **{"lambda": oracle.l2})
     decomposition = {"form": default.form, "hessian": default.hessian, "lambda": default.l2,
                      "lambda_max": default.lambda_max,
                      "rho": default.rho,
-                     "hessian_error": (model_of(default.state, task) - model_of(oracle.state, task)).norm(),
-                     "exact_step_to_retrain": (model_of(oracle.state, task) - rows["retrained"]["w"]).norm(),
-                     "f2l2_to_retrain": (model_of(default.state, task) - rows["retrained"]["w"]).norm()}
+                     "hessian_error": (w_default - w_oracle).norm(),
+                     "exact_step_to_retrain": (w_oracle - rows["retrained"]["w"]).norm(),
+                     "f2l2_to_retrain": (w_default - rows["retrained"]["w"]).norm()}
     ref = rows["retrained"]
     lambda_max = next((f"{r['lambda_max']:.4g}" for r in rows.values() if r.get("lambda_max")), "not computed")
     trigger = (f"{base.backdoor_trigger}×{base.backdoor_trigger} white square" if env.host.inputs.modality == "image"

@@ -362,6 +362,11 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         """λ_r of the run's training objective (0 without a ridge)."""
         return float(state.scalars.get("ridge_lambda", 0.0))
 
+    def regularizer_gradient(self, state: GlobalState, w: TaskVector, w0: TaskVector) -> TaskVector:
+        """r(w) = l2·w + λ_r·(w − w₀), the gradient of the training objective's regularizer at w."""
+        ridge = self.ridge_lambda(state)
+        return w * self.config.l2 + (w - w0) * ridge if ridge else w * self.config.l2
+
     # -- the server's own work -----------------------------------------------------------------------
     def server_step(self, state: GlobalState, env) -> GlobalState:
         """Round 1: pretrain w₀ on D_s and keep it as the linearization point; with a ridge, set
@@ -517,7 +522,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             return sum((u.vectors[name] * (u.total_samples / n) for u in updates), w.zeros_like())
 
         if "cg_iterations" not in scalars:  # r₀ = −∇F(w⁰) from the clients' data gradients
-            r = (mean(GRADIENT) + w * self.config.l2 + (w - w0) * self.ridge_lambda(state)) * -1.0
+            r = (mean(GRADIENT) + self.regularizer_gradient(state, w, w0)) * -1.0
             iterate, stopped = CGIterate.start(w, r, precondition), r.norm() == 0
             scalars.update(cg_iterations=0, cg_initial=float(r.norm()))
         else:
@@ -574,7 +579,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         regularized = lam_train + ridge  # the trained objective's own curvature beyond the data's
         task = self._task(state)
         w, w0 = self._model(state), task_point(state.vectors, task)
-        regularizer = w * lam_train + (w - w0) * ridge if ridge else w * lam_train  # r(w*), see the module docstring
+        regularizer = self.regularizer_gradient(state, w, w0)  # r(w*), see the module docstring
         n_m, n_rest = samples[client], sum(samples.values()) - samples[client]
         g_m = state.vectors[gradient_name(client)]
         retained = sum((state.vectors[gradient_name(k)] * (n / n_rest) for k, n in samples.items() if k != client),
