@@ -838,3 +838,54 @@ def test_the_cg_solver_trains_to_the_objectives_minimizer_and_retrains_to_the_re
     with pytest.raises(ConfigError, match="linear_solver 'cg' trains by conjugate-gradient rounds.*learning_rate"):
         run(RunConfig(**base, strategy_options=options, learning_rate=0.1, output_dir=str(tmp_path / "refused")))
     assert not (tmp_path / "refused").exists()
+
+
+def test_the_clients_complete_factors_precondition_cg_training_to_the_minimizer_in_a_few_rounds(
+        tiny_bert_dir, tiny_tasks_dir, tmp_path, monkeypatch):
+    """`linear_solver: cg` with `curvature_rank` ≥ P: each client uploads its whole data Hessian's factor with the
+    first round's gradient (not again in the gradient round), and CG preconditioned by their n-weighted sum + λI
+    (the system's own matrix) reaches the objective's minimizer within two product rounds, where H_s's
+    preconditioner has not; retrained without client 0 it ends at the retained minimizer, and the default
+    removal, with no client contacted, takes the exact Newton step there."""
+    l2, rounds = 0.05, 6
+    base = dict(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
+                peft_method="probe", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=rounds,
+                batch_size=8, max_length=16, min_samples=4, backdoor_client=0, backdoor_trigger=1, export=False)
+    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": l2, "linear_solver": "cg"}
+    task_name = Environment(RunConfig(**base, strategy_options=options)).tasks[0].name
+    rank = Environment(RunConfig(**base, strategy_options=options)).initial.vectors[head_name(task_name)].numel()
+    ends, residuals, uplinks = {}, {}, {}
+    for name, excluded, rank_ in (("trained", [], rank), ("retrained", [0], rank), ("server", [], 0)):
+        run(RunConfig(**base, strategy_options={**options, "curvature_rank": rank_}, exclude_clients=excluded,
+                      output_dir=str(tmp_path / name)))
+        finished = open_finished_run(tmp_path / name)
+        env, state = finished.env, finished.state
+        task = env.tasks[0].name
+        w0 = task_point(state.vectors, task)
+        kept = [k for k in range(3) if k not in excluded]
+        minimizer, _ = objective_minimizer(env.host, w0, concatenate_datasets([env.client_data(k)[task] for k in kept]),
+                                           l2=l2, tolerance=1e-8)
+        history = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        residuals[name] = [r["aggregation"]["cg_relative_residual"] for r in history if "aggregation" in r]
+        uplinks[name] = [r["bytes_uplink"] for r in history]
+        ends[name] = (env, state, task, minimizer, task_model(state.vectors, task))
+    for name in ("trained", "retrained"):
+        env, state, task, minimizer, w = ends[name]
+        assert residuals[name][2] < 1e-4  # r₀, then two product rounds
+        w0 = task_point(state.vectors, task)
+        assert (w - minimizer).norm() <= 1e-3 * (minimizer - w0).norm()
+        assert sorted(state.scalars["factor_clients"]) == sorted(str(k) for k in state.scalars["gradient_samples"])
+    assert residuals["server"][2] > 1e2 * residuals["trained"][2]
+    # the factors ride the first round's upload; the gradient round carries gradients alone
+    assert uplinks["trained"][0] > uplinks["server"][0] + 3 * 4 * rank * rank
+    assert uplinks["trained"][-1] == uplinks["server"][-1]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a client was contacted during the removal")
+
+    monkeypatch.setattr(ClientRuntime, "handle", refuse)
+    env, state, task, _, _ = ends["trained"]
+    removal = env.strategy.remove_client(state, env, 0)
+    assert removal.hessian == "clients" and removal.form == "retained" and removal.damping == "objective"
+    retrained = ends["retrained"][3]
+    assert (task_model(removal.state.vectors, task) - retrained).norm() <= 1e-2 * removal.step_norm

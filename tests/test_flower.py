@@ -128,8 +128,9 @@ def reference_run(tmp_path):
     # the server's own pretraining, a linearized model, the ridge's λ_r sent down, and the clients' gradients and
     # curvature factors in a query round
     ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "ridge": 0.1, "curvature_rank": 4}, {"one_task": True}),
-    # federated conjugate gradient: its direction sent down and the clients' Hessian-vector products up
-    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": 0.01, "linear_solver": "cg"},
+    # federated conjugate gradient: its direction sent down and the clients' Hessian-vector products up (their
+    # curvature factors with the first round's gradients)
+    ("f2l2", {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": 0.01, "linear_solver": "cg", "curvature_rank": 4},
      {"one_task": True, "rounds": 3, "local_steps": -1, "learning_rate": 5e-3}),
 ])
 def test_flower_run_equals_the_in_process_run(strategy, options, overrides, tiny_bert_dir, tiny_tasks_dir, tmp_path,

@@ -63,8 +63,9 @@ VARIANTS = [(name, name, *REQUIRED.get(name, ({}, {}))) for name in sorted(STRAT
     ("fedyolo-half", "fedyolo", {"share": "half"}, {}),
     ("fedyolo-half-secure", "fedyolo", {"share": "half", "secure_aggregation": True}, {}),
     ("ntkfedavg-pretrained", "ntkfedavg", {"linearize_at": "pretrained"}, {}),
-    # F²L²'s federated CG: query rounds only (its first, the clients' gradients at w⁰, then the gradient round)
-    ("f2l2-cg", "f2l2", {**REQUIRED["f2l2"][0], "linear_solver": "cg", "l2": 0.01},
+    # F²L²'s federated CG: query rounds only (its first, the clients' gradients at w⁰ and curvature factors, which
+    # precondition the later rounds and stay in the state, then the gradient round)
+    ("f2l2-cg", "f2l2", {**REQUIRED["f2l2"][0], "linear_solver": "cg", "l2": 0.01, "curvature_rank": 4},
      {**REQUIRED["f2l2"][1], "local_steps": -1, "learning_rate": 5e-3}),
     # on a causal LM answering instructions (no heads: every trainable parameter is a shared module)
     *[(f"{name}-llm", strategy, options, {**overrides, **LLM}) for name, strategy, options, overrides in [

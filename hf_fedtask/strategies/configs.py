@@ -149,7 +149,9 @@ class F2L2Config(StrategyConfig):
                                  "gradient (the top eigenpairs of its data term's Gauss-Newton Hessian at w₀, by "
                                  "Lanczos; rank × the trainable parameters' floats): the removal then solves with "
                                  "the retained clients' own Hessian instead of the server's slice H_s, still with "
-                                 "no message at removal time (0: none, H_s)", minimum=0)
+                                 "no message at removal time (0: none, H_s); with linear_solver cg the factors "
+                                 "come with the first round's gradients instead and also precondition training",
+                                 minimum=0)
     server_curvature_rank: int = option(128, "rank of the server's own curvature factor of H_s (its top eigenpairs "
                                         "at w₀, by Lanczos over its slice), computed in the gradient round and kept "
                                         "with the run (rank × the trainable parameters' floats, the rank lowered to "

@@ -90,7 +90,11 @@ quadratic (squared error on a model linear in w), so its minimizer solves one li
 condition number asks. The first training round asks each client for its data gradient at w⁰ (the residual
 r₀ = −∇F(w⁰)); each later one sends the direction p and asks for H_k·p (one Gauss-Newton product over the
 client's data, an upload the size of the model, as FedAvg's), and the server takes the CG step. The server's
-factor of H_s, formed after pretraining, preconditions it (`SpectralPreconditioner` at λ = l2 + λ_r; with
+factor of H_s, formed after pretraining, preconditions it (`SpectralPreconditioner` at λ = l2 + λ_r); with
+`curvature_rank` k > 0 the clients upload their factors with the first round's gradients instead of the gradient
+round's (H_k at w₀ is the same in every round: the model is linear in w), and the preconditioner is the Woodbury
+inverse of their n-weighted sum plus λI, the system's own matrix, exact where the factors are complete (CG
+then stops after an iteration or two instead of the hundreds a long-tailed spectrum at λ = l2 asks); with
 l2 = λ_r = 0 plain CG, whose iterates stay in w⁰ + H's range: the minimizer nearest w⁰, where gradient descent
 from w⁰ ends). Training so ends at the objective's optimum, the point the certificate assumes and
 `objective_minimizer` computes centrally, and retraining without a client ends at its own in any order: the
@@ -316,15 +320,23 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         vectors = {**initial.vectors, **as_point(initial.vectors)}
         if scalars.get("server_curvature_rank"):  # formed as the gradient round begins
             vectors[SERVER_CURVATURE] = self._factor_template(self._model(initial), scalars["server_curvature_rank"])
-        if phase == LINEAR and "cg_iterations" in scalars:  # linear_solver cg's direction and residual
-            vectors.update({CG_DIRECTION: self._model(initial), CG_RESIDUAL: self._model(initial)})
+        model = self._model(initial)
+        factors, gradients = {}, {}
+        if scalars.get("curvature_rank"):  # the clients' factors: from the gradient round, or cg's first round
+            factor = self._factor_template(model, scalars["curvature_rank"])
+            clients = scalars.get("factor_clients", list(scalars.get("gradient_samples", {})))  # runs before it
+            factors = {curvature_name(int(c)): factor for c in clients}
         if phase == DONE:
-            model = self._model(initial)
-            vectors.update({gradient_name(int(c)): model for c in scalars.get("gradient_samples", {})})
-            if scalars.get("curvature_rank"):
-                factor = self._factor_template(model, scalars["curvature_rank"])
-                vectors.update({curvature_name(int(c)): factor for c in scalars.get("gradient_samples", {})})
-        return GlobalState(initial.round, vectors, dict(scalars))
+            gradients = {gradient_name(int(c)): model for c in scalars.get("gradient_samples", {})}
+        # in the order the rounds add them (the order flattening follows): cg's factors come first, then its
+        # direction and residual (gone after the last training round), the gradient round's last
+        later = {**gradients, **factors}
+        if self.config.linear_solver == CG:
+            vectors.update(factors)
+            later = gradients
+        if phase == LINEAR and "cg_iterations" in scalars:  # linear_solver cg's direction and residual
+            vectors.update({CG_DIRECTION: model, CG_RESIDUAL: model})
+        return GlobalState(initial.round, {**vectors, **later}, dict(scalars))
 
     @staticmethod
     def _factor_template(model: TaskVector, rank: int) -> TaskVector:
@@ -445,13 +457,21 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             extra[CG_DIRECTION] = state.vectors[CG_DIRECTION]
         return {**model, **{point_name(k): state.vectors[point_name(k)] for k in model}, **extra}
 
+    def factor_query(self, query: str) -> bool:
+        """Whether the clients' curvature factors (`curvature_rank` > 0) come with this query's answer: the
+        gradient round's, or with linear_solver cg the first round's, where they also precondition training (the
+        model is linear in w, so H_k at w₀ is the same in every round)."""
+        return bool(self.config.curvature_rank) and query == (CG_START if self.config.linear_solver == CG
+                                                               else GRADIENT_QUERY)
+
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        if self.phase(state) == GRADIENTS:
+        query = self.query_name(state)
+        if query == CG_PRODUCT:
+            return {PRODUCT: self._model(state)}
+        if query in (GRADIENT_QUERY, CG_START):
             model = self._model(state)
-            rank = self.config.curvature_rank
-            return {GRADIENT: model, **({CURVATURE: self._factor_template(model, rank)} if rank else {})}
-        if self.config.linear_solver == CG:
-            return {PRODUCT if "cg_iterations" in state.scalars else GRADIENT: self._model(state)}
+            factor = {CURVATURE: self._factor_template(model, self.config.curvature_rank)}
+            return {GRADIENT: model, **(factor if self.factor_query(query) else {})}
         return super().downlink(state, client_id, tasks)
 
     # -- client ------------------------------------------------------------------------------------
@@ -480,9 +500,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             return ClientUpdate(job.client_id, job.round, {PRODUCT: product}, job.num_samples(), {})
         gradient, loss = data_gradient(trainer.host, model, point, data)
         vectors = {GRADIENT: gradient}
-        if job.query == CG_START:
-            return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), {"data_loss": loss})
-        if self.config.curvature_rank:  # the top eigenpairs of this client's H_k, for the removal's H₋
+        if self.factor_query(job.query):  # the top eigenpairs of this client's H_k, for the removal's H₋
             vectors[CURVATURE] = client_curvature(trainer.host, model, point, data, self.config.curvature_rank,
                                                   seed=job.client_id)
         return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), {"data_loss": loss})
@@ -491,16 +509,47 @@ class F2L2(Strategy, Linearized, ClientRemoval):
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         if self.phase(state) == GRADIENTS:
             vectors = {gradient_name(u.client_id): u.vectors[GRADIENT] for u in updates}
-            rank = self.config.curvature_rank
-            if rank:
-                vectors.update({curvature_name(u.client_id): u.vectors[CURVATURE] for u in updates})
             samples = {str(u.client_id): u.total_samples for u in updates}
-            return state.next(vectors, phase=DONE, gradient_samples=samples, curvature_rank=rank)
+            return state.next({**vectors, **self.uploaded_factors(updates, GRADIENT_QUERY)}, phase=DONE,
+                              gradient_samples=samples, **self.factor_scalars(state, updates, GRADIENT_QUERY))
         last_training = self.total_rounds is not None and state.round + 2 >= self.total_rounds
         if self.config.linear_solver == CG:
             return self.conjugate_gradient_step(state, updates, last_training)
         vectors = {SHARED: fedavg_shared(state, updates), **average_heads(state, updates)}
         return state.next(vectors, phase=GRADIENTS if last_training else LINEAR)
+
+    def uploaded_factors(self, updates: list[ClientUpdate], query: str) -> dict[str, TaskVector]:
+        """The clients' curvature factors this query's answers carry, by their state names (none: {})."""
+        if not self.factor_query(query):
+            return {}
+        return {curvature_name(u.client_id): u.vectors[CURVATURE] for u in updates}
+
+    def factor_scalars(self, state: GlobalState, updates: list[ClientUpdate], query: str) -> dict:
+        """The scalars that say which factors the state holds (`curvature_rank`, `factor_clients`): set by the
+        query that carried them, kept after."""
+        if not self.factor_query(query):
+            return {"curvature_rank": state.scalars.get("curvature_rank", 0)}
+        return {"curvature_rank": self.config.curvature_rank,
+                "factor_clients": sorted(str(u.client_id) for u in updates)}
+
+    def training_preconditioner(self, state: GlobalState, updates: list[ClientUpdate], lam: float):
+        """linear_solver cg's M⁻¹ at λ = l2 + λ_r: with the clients' factors (`curvature_rank` > 0), the Woodbury
+        inverse of Σ_k (n_k/n)·F_kᵀF_k + λI (`LowRankInverse`), the system's own Hessian (complete factors: exact,
+        so CG stops after an iteration or two); else the server's factor of H_s (`SpectralPreconditioner`), which
+        stands in for it; with λ = 0, none (M⁻¹ divides by λ beyond the factors' span)."""
+        from hf_fedtask.model.newton import LowRankGaussNewton, SpectralPreconditioner
+
+        clients = state.scalars.get("factor_clients", [])
+        if lam <= 0 or (not clients and SERVER_CURVATURE not in state.vectors):
+            return lambda r: r
+        if not clients:
+            server = SpectralPreconditioner(state.vectors[SERVER_CURVATURE])
+            return lambda r: server(r, lam)
+        n = {str(u.client_id): u.total_samples for u in updates}
+        total = sum(n[c] for c in clients)
+        with LowRankGaussNewton([(state.vectors[curvature_name(int(c))], n[c] / total) for c in clients]) as stack:
+            inverse = stack.inverse()
+        return lambda r: inverse(r, lam)
 
     def conjugate_gradient_step(self, state: GlobalState, updates: list[ClientUpdate],
                                 last_training: bool) -> AggregatedState:
@@ -509,19 +558,21 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         round). The first round's uploads are the clients' data gradients at w⁰, which give r₀ = −∇F(w⁰); each
         later round's are H_k·p. The diagnostics log ‖r‖/‖r₀‖ each round; at `CG_TOLERANCE` the direction
         becomes zero and the model stays."""
-        from hf_fedtask.model.newton import CGIterate, SpectralPreconditioner
+        from hf_fedtask.model.newton import CGIterate
 
         task, n = self._task(state), sum(u.total_samples for u in updates)
         w, w0 = self._model(state), task_point(state.vectors, task)
         lam = self.config.l2 + self.ridge_lambda(state)
-        factor = state.vectors.get(SERVER_CURVATURE) if lam > 0 else None  # M⁻¹ divides by λ beyond its span
-        precondition = (lambda r: r) if factor is None else (lambda r: SpectralPreconditioner(factor)(r, lam))
-        scalars = dict(state.scalars)
+        first = "cg_iterations" not in state.scalars
+        factors = self.uploaded_factors(updates, CG_START) if first else {}
+        scalars = {**state.scalars, **(self.factor_scalars(state, updates, CG_START) if first else {})}
+        precondition = self.training_preconditioner(GlobalState(state.round, {**state.vectors, **factors}, scalars),
+                                                    updates, lam)
 
         def mean(name: str) -> TaskVector:  # Σ_k (n_k/n)·upload_k
             return sum((u.vectors[name] * (u.total_samples / n) for u in updates), w.zeros_like())
 
-        if "cg_iterations" not in scalars:  # r₀ = −∇F(w⁰) from the clients' data gradients
+        if first:  # r₀ = −∇F(w⁰) from the clients' data gradients
             r = (mean(GRADIENT) + self.regularizer_gradient(state, w, w0)) * -1.0
             iterate, stopped = CGIterate.start(w, r, precondition), r.norm() == 0
             scalars.update(cg_iterations=0, cg_initial=float(r.norm()))
@@ -534,7 +585,7 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                 scalars["cg_iterations"] += 1
         relative = float(iterate.r.norm()) / scalars["cg_initial"] if scalars["cg_initial"] > 0 else 0.0
         scalars.update(cg_rz=iterate.rz, cg_relative_residual=relative, phase=GRADIENTS if last_training else LINEAR)
-        vectors = {k: v for k, v in state.vectors.items() if k not in (CG_DIRECTION, CG_RESIDUAL)}
+        vectors = {k: v for k, v in {**state.vectors, **factors}.items() if k not in (CG_DIRECTION, CG_RESIDUAL)}
         if not last_training:  # the gradient round needs neither; a zero direction: converged, no more passes
             vectors.update({CG_DIRECTION: iterate.p.zeros_like() if stopped else iterate.p, CG_RESIDUAL: iterate.r})
         vectors.update(task_vectors(iterate.x, state.vectors, task))
