@@ -18,7 +18,15 @@ from datasets import concatenate_datasets
 from hf_fedtask.cli import main
 from hf_fedtask.client.objectives import AnchoredRidge
 from hf_fedtask.config import RunConfig
-from hf_fedtask.core.state import SERVER_CURVATURE, SHARED, GlobalState, curvature_name, gradient_name, head_name
+from hf_fedtask.core.state import (
+    CURVATURE_GRAM,
+    SERVER_CURVATURE,
+    SHARED,
+    GlobalState,
+    curvature_name,
+    gradient_name,
+    head_name,
+)
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data import load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, inside_spread, poisoned, within_goal
@@ -214,6 +222,14 @@ def test_a_curvature_factor_is_the_best_low_rank_approximation_and_sums_into_one
                                        atol=1e-4 * float(direct.abs().max()))
         x, info = conjugate_gradient(products, v, damping=1.0, iterations=50, tolerance=1e-6, preconditioner=inverse)
         assert info.iterations <= 3 and info.relative_residual < 1e-5
+        # where round-off leaves MMᵀ + λI indefinite (a Gram eigenvalue below −λ), Cholesky fails and the
+        # eigendecomposition with the negative eigenvalues at 0 stands in
+        values, vectors = torch.linalg.eigh(inverse.gram)
+        inverse.gram = (vectors * (values - 1e-3)) @ vectors.T
+        flat, stack = v.flatten().double(), products.matrix.double()
+        inner = vectors @ ((vectors.T @ (stack @ flat)) / ((values - 1e-3).clamp(min=0.0) + 1e-5))
+        torch.testing.assert_close(inverse(v, 1e-5).flatten().double(), (flat - stack.T @ inner) / 1e-5,
+                                   rtol=1e-3, atol=1e-3 * float(flat.abs().max()) / 1e-5)
 
 
 def test_a_spectral_preconditioner_keeps_cg_exact_and_cuts_its_iterations():
@@ -299,8 +315,10 @@ def test_the_clients_curvature_factors_give_the_removal_the_retained_clients_own
     w, w0 = flat(model), flat(task_point(state.vectors, task))
     anchored = w0 - torch.linalg.solve(h + removal.l2 * torch.eye(len(h), dtype=torch.float64), g - h @ (w - w0))
     torch.testing.assert_close(flat(got), anchored, rtol=0, atol=1e-4 * float((w - anchored).norm()))
-    one_row = GlobalState(state.round, {**state.vectors, **{curvature_name(k): TaskVector(
-        {n: t[:1] for n, t in state.vectors[curvature_name(k)].items()}) for k in range(3)}}, state.scalars)
+    kept = {k: v for k, v in state.vectors.items() if k != CURVATURE_GRAM}  # a rank-1 run keeps a rank-1 Gram
+    one_row = GlobalState(state.round, {**kept, **{curvature_name(k): TaskVector(
+        {n: t[:1] for n, t in state.vectors[curvature_name(k)].items()}) for k in range(3)}},
+        {**state.scalars, "curvature_rank": 1, "factor_gram": False})
     truncated = strategy.remove_client(one_row, env, 0)  # a factor that leaves curvature out: split or retained
     assert truncated.form in ("split", "retained") and truncated.curvature_tail > COMPLETE_TAIL * truncated.l2
     raw = dict(gradient="retained", trust_radius=0.0)  # the Newton step as it is, where the Hessians show
@@ -874,7 +892,12 @@ def test_the_clients_complete_factors_precondition_cg_training_to_the_minimizer_
         assert residuals[name][2] < 1e-4  # r₀, then two product rounds
         w0 = task_point(state.vectors, task)
         assert (w - minimizer).norm() <= 1e-3 * (minimizer - w0).norm()
-        assert sorted(state.scalars["factor_clients"]) == sorted(str(k) for k in state.scalars["gradient_samples"])
+        clients = state.scalars["factor_clients"]
+        assert sorted(clients) == sorted(str(k) for k in state.scalars["gradient_samples"])
+        with LowRankGaussNewton([(state.vectors[curvature_name(int(c))], 1.0) for c in clients]) as stack:
+            unit = stack.gram()  # the Gram the server kept when the factors came, rows in factor_clients order
+        torch.testing.assert_close(state.vectors[CURVATURE_GRAM]["gram"].double(), unit, rtol=1e-5,
+                                   atol=1e-6 * float(unit.abs().max()))
     assert residuals["server"][2] > 1e2 * residuals["trained"][2]
     # the factors ride the first round's upload; the gradient round carries gradients alone
     assert uplinks["trained"][0] > uplinks["server"][0] + 3 * 4 * rank * rank

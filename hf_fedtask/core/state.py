@@ -140,6 +140,7 @@ def curvature_name(client: int) -> str:
     return f"curvature/client{client}"
 
 
+CURVATURE_GRAM = "curvature/gram"  # F²L²: the Gram of the clients' factors at unit weights, formed when they arrive
 SERVER_CURVATURE = "curvature/server"  # F²L²'s own factor of H_s (`server_curvature_rank`), kept with the run
 
 

@@ -465,42 +465,71 @@ class LowRankGaussNewton:
         flat = TaskVector({k: v[k] for k in self.shapes}).flatten().float()
         return TaskVector.unflatten(self.matrix.T @ (self.matrix @ flat), self.shapes)
 
-    def inverse(self) -> LowRankInverse:
+    def gram(self) -> torch.Tensor:
+        """MMᵀ (float64, K × K) for the stacked, weighted factors M, by blocks: a factor's own block is diagonal
+        (its rows √h·v have orthonormal v: c·diag(h), from the row norms), so only the blocks between factors take
+        matrix products (for two clients of rank 256 over 74,498 LoRA parameters, a third of the whole Gram's
+        cost; for rank 1,920, seconds)."""
+        bounds = [0, *itertools.accumulate(self.ranks)]
+        gram = torch.zeros((bounds[-1], bounds[-1]), dtype=torch.float64)
+        gram[range(bounds[-1]), range(bounds[-1])] = torch.linalg.vector_norm(self.matrix, dim=1).double() ** 2
+        for i, j in itertools.combinations(range(len(self.ranks)), 2):
+            block = (self.matrix[bounds[i]:bounds[i + 1]] @ self.matrix[bounds[j]:bounds[j + 1]].T).double()
+            gram[bounds[i]:bounds[i + 1], bounds[j]:bounds[j + 1]] = block
+            gram[bounds[j]:bounds[j + 1], bounds[i]:bounds[i + 1]] = block.T
+        return gram
+
+    def inverse(self, unit_gram: torch.Tensor | None = None) -> LowRankInverse:
         """(H + λI)⁻¹ for this operator, as a preconditioner (`conjugate_gradient`'s): exact, so CG stops
-        after an iteration or two."""
-        return LowRankInverse(self.matrix, self.ranks, self.shapes)
+        after an iteration or two. `unit_gram`: the Gram of the same factors, in the same order, at unit weights,
+        formed earlier (F²L² keeps it with the run), so that no block product is taken here."""
+        if unit_gram is None:
+            return LowRankInverse(self.matrix, self.shapes, self.gram())
+        if tuple(unit_gram.shape) != (len(self.matrix),) * 2:
+            raise ValueError(f"a Gram of shape {tuple(unit_gram.shape)} for {len(self.matrix)} factor rows")
+        scale = torch.cat([torch.full((rank,), weight ** 0.5, dtype=torch.float64)
+                           for (_, weight), rank in zip(self.factors, self.ranks)])
+        return LowRankInverse(self.matrix, self.shapes, unit_gram.double() * scale[:, None] * scale[None, :])
 
 
 class LowRankInverse:
-    """(MᵀM + λI)⁻¹·r = (r − Mᵀ·(MMᵀ + λI)⁻¹·M·r)/λ (Woodbury) for the stacked factors M (K × P, K = Σ ranks),
-    with MMᵀ = U·diag(s)·Uᵀ decomposed once, so each λ costs two passes over M. MMᵀ is formed by blocks: a
-    factor's own block is diagonal (its rows √h·v have orthonormal v: c·diag(h), from the row norms), so only
-    the blocks between factors take matrix products (for two retained clients of rank 256 over 74,498 LoRA
-    parameters, a third of the Gram's cost). Used as a preconditioner it keeps CG exact whatever the rows'
-    orthonormality error; `largest` is H's λ_max, s's largest."""
+    """(MᵀM + λI)⁻¹·r = (r − Mᵀ·(MMᵀ + λI)⁻¹·M·r)/λ (Woodbury) for the stacked factors M (K × P, K = Σ ranks) and
+    their Gram MMᵀ (`LowRankGaussNewton.gram`), with a Cholesky factor of MMᵀ + λI per λ (K³/3 multiply-adds,
+    a small share of an eigendecomposition's), so each λ costs one factorization and each product two passes
+    over M. Used as a preconditioner it keeps CG exact whatever the rows' orthonormality error; `largest` is H's
+    λ_max, MMᵀ's largest eigenvalue (computed when first asked: the relative damping needs it, the objective's
+    does not)."""
 
-    def __init__(self, matrix: torch.Tensor, sizes: list[int], shapes: dict):
-        self.matrix, self.shapes = matrix, shapes
-        bounds = [0, *itertools.accumulate(sizes)]
-        gram = torch.zeros((bounds[-1], bounds[-1]), dtype=torch.float64)
-        norms = torch.linalg.vector_norm(matrix, dim=1).double() ** 2
-        gram[range(bounds[-1]), range(bounds[-1])] = norms
-        for i, j in itertools.combinations(range(len(sizes)), 2):
-            block = (matrix[bounds[i]:bounds[i + 1]] @ matrix[bounds[j]:bounds[j + 1]].T).double()
-            gram[bounds[i]:bounds[i + 1], bounds[j]:bounds[j + 1]] = block
-            gram[bounds[j]:bounds[j + 1], bounds[i]:bounds[i + 1]] = block.T
-        self.values, self.vectors = torch.linalg.eigh(gram)
-        self.values = self.values.clamp(min=0.0)
+    def __init__(self, matrix: torch.Tensor, shapes: dict, gram: torch.Tensor):
+        self.matrix, self.shapes, self.gram = matrix, shapes, gram
+        self._largest: float | None = None
+        self._solvers: dict[float, Callable[[torch.Tensor], torch.Tensor]] = {}  # λ -> c ↦ (MMᵀ + λI)⁻¹·c
 
     @property
     def largest(self) -> float:
-        return float(self.values[-1]) if len(self.values) else 0.0
+        if self._largest is None:
+            self._largest = float(torch.linalg.eigvalsh(self.gram)[-1]) if len(self.gram) else 0.0
+        return self._largest
+
+    def _solver(self, damping: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """c ↦ (MMᵀ + λI)⁻¹·c: by Cholesky; where float32 round-off in the Gram's blocks leaves MMᵀ + λI
+        indefinite (λ below that round-off), by its eigendecomposition with the negative eigenvalues at 0."""
+        if damping not in self._solvers:
+            shifted = self.gram + damping * torch.eye(len(self.gram), dtype=torch.float64)
+            lower, info = torch.linalg.cholesky_ex(shifted)
+            if int(info) == 0:
+                self._solvers[damping] = lambda c: torch.cholesky_solve(c[:, None], lower)[:, 0]
+            else:
+                values, vectors = torch.linalg.eigh(self.gram)
+                scale = 1.0 / (values.clamp(min=0.0) + damping)
+                self._solvers[damping] = lambda c: vectors @ ((vectors.T @ c) * scale)
+        return self._solvers[damping]
 
     def __call__(self, r: TaskVector, damping: float) -> TaskVector:
         if damping <= 0:
             raise ValueError("LowRankInverse needs damping > 0")
         flat = TaskVector({k: r[k] for k in self.shapes}).flatten().float()
-        inner = self.vectors @ ((self.vectors.T @ (self.matrix @ flat).double()) / (self.values + damping))
+        inner = self._solver(damping)((self.matrix @ flat).double())
         return TaskVector.unflatten((flat - self.matrix.T @ inner.float()) / damping, self.shapes)
 
 
