@@ -94,7 +94,8 @@ factor of H_s, formed after pretraining, preconditions it (`SpectralPrecondition
 `curvature_rank` k > 0 the clients upload their factors with the first round's gradients instead of the gradient
 round's (H_k at w₀ is the same in every round: the model is linear in w), and the preconditioner is the Woodbury
 inverse of their n-weighted sum plus λI, the system's own matrix, exact where the factors are complete (CG
-then stops after an iteration or two instead of the hundreds a long-tailed spectrum at λ = l2 asks); with
+then stops after a few iterations instead of the hundreds a long-tailed spectrum at λ = l2 asks; the factors'
+Gram is formed once, when they arrive, and kept for the removal too); with
 l2 = λ_r = 0 plain CG, whose iterates stay in w⁰ + H's range: the minimizer nearest w⁰, where gradient descent
 from w⁰ ends). Training so ends at the objective's optimum, the point the certificate assumes and
 `objective_minimizer` computes centrally, and retraining without a client ends at its own in any order: the
@@ -569,9 +570,10 @@ class F2L2(Strategy, Linearized, ClientRemoval):
 
     def training_preconditioner(self, state: GlobalState, updates: list[ClientUpdate], lam: float):
         """linear_solver cg's M⁻¹ at λ = l2 + λ_r: with the clients' factors (`curvature_rank` > 0), the Woodbury
-        inverse of Σ_k (n_k/n)·F_kᵀF_k + λI (`LowRankInverse`), the system's own Hessian (complete factors: exact,
-        so CG stops after an iteration or two); else the server's factor of H_s (`SpectralPreconditioner`), which
-        stands in for it; with λ = 0, none (M⁻¹ divides by λ beyond the factors' span)."""
+        inverse of Σ_k (n_k/n)·F_kᵀF_k + λI (`LowRankInverse`), the system's own Hessian (complete factors: exact
+        up to float32, so CG stops in a few rounds: 2 on a probe, 4-9 on LoRA); else the server's factor of H_s
+        (`SpectralPreconditioner`), which stands in for it; with λ = 0, none (M⁻¹ divides by λ beyond the factors'
+        span)."""
         from hf_fedtask.model.newton import SpectralPreconditioner
 
         clients = state.scalars.get("factor_clients", [])
