@@ -537,13 +537,18 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         time); none: {}."""
         if not self.factor_query(query):
             return {}
-        from hf_fedtask.model.newton import LowRankGaussNewton
-
         by_client = {str(u.client_id): u.vectors[CURVATURE] for u in updates}
         factors = {curvature_name(int(c)): by_client[c] for c in sorted(by_client)}
-        with LowRankGaussNewton([(f, 1.0) for f in factors.values()]) as stack:
-            gram = stack.gram().float()
-        return {**factors, CURVATURE_GRAM: TaskVector({"gram": gram})}
+        return {**factors, CURVATURE_GRAM: self.factor_gram(list(factors.values()))}
+
+    @staticmethod
+    def factor_gram(factors: list[TaskVector]) -> TaskVector:
+        """The Gram of these factors' stacked rows at unit weights (`LowRankGaussNewton.gram`, float32), as the
+        state keeps it (`CURVATURE_GRAM`)."""
+        from hf_fedtask.model.newton import LowRankGaussNewton
+
+        with LowRankGaussNewton([(f, 1.0) for f in factors]) as stack:
+            return TaskVector({"gram": stack.gram().float()})
 
     def factor_scalars(self, state: GlobalState, updates: list[ClientUpdate], query: str) -> dict:
         """The scalars that say which factors the state holds (`curvature_rank`, `factor_clients`, `factor_gram`):
