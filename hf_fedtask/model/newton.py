@@ -503,7 +503,7 @@ class LowRankInverse:
     def __init__(self, matrix: torch.Tensor, shapes: dict, gram: torch.Tensor):
         self.matrix, self.shapes, self.gram = matrix, shapes, gram
         self._largest: float | None = None
-        self._solvers: dict[float, Callable[[torch.Tensor], torch.Tensor]] = {}  # λ -> c ↦ (MMᵀ + λI)⁻¹·c
+        self._solver_at: tuple[float, Callable[[torch.Tensor], torch.Tensor]] | None = None  # the last λ's
 
     @property
     def largest(self) -> float:
@@ -513,17 +513,19 @@ class LowRankInverse:
 
     def _solver(self, damping: float) -> Callable[[torch.Tensor], torch.Tensor]:
         """c ↦ (MMᵀ + λI)⁻¹·c: by Cholesky; where float32 round-off in the Gram's blocks leaves MMᵀ + λI
-        indefinite (λ below that round-off), by its eigendecomposition with the negative eigenvalues at 0."""
-        if damping not in self._solvers:
+        indefinite (λ below that round-off), by its eigendecomposition with the negative eigenvalues at 0. Kept
+        for the last λ only (a CG solve asks for one λ throughout; a trust region's next solve for another)."""
+        if self._solver_at is None or self._solver_at[0] != damping:
             shifted = self.gram + damping * torch.eye(len(self.gram), dtype=torch.float64)
             lower, info = torch.linalg.cholesky_ex(shifted)
             if int(info) == 0:
-                self._solvers[damping] = lambda c: torch.cholesky_solve(c[:, None], lower)[:, 0]
+                solve = lambda c: torch.cholesky_solve(c[:, None], lower)[:, 0]  # noqa: E731
             else:
                 values, vectors = torch.linalg.eigh(self.gram)
                 scale = 1.0 / (values.clamp(min=0.0) + damping)
-                self._solvers[damping] = lambda c: vectors @ ((vectors.T @ c) * scale)
-        return self._solvers[damping]
+                solve = lambda c: vectors @ ((vectors.T @ c) * scale)  # noqa: E731
+            self._solver_at = (damping, solve)
+        return self._solver_at[1]
 
     def __call__(self, r: TaskVector, damping: float) -> TaskVector:
         if damping <= 0:
