@@ -79,8 +79,8 @@ def folder_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def on_folder(parser: argparse.ArgumentParser, args, measure) -> None:
-    """`measure(args)` with `args.folder` the given folder or, with --quick, the small protocol's."""
+def on_folder(parser: argparse.ArgumentParser, args, measure, protocol=quick_protocol) -> None:
+    """`measure(args)` with `args.folder` the given folder or, with --quick, the small `protocol`'s."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.folder is None and not args.quick:
@@ -88,7 +88,7 @@ def on_folder(parser: argparse.ArgumentParser, args, measure) -> None:
     if args.folder is None:
         with tempfile.TemporaryDirectory() as tmp:
             args.folder = Path(tmp)
-            quick_protocol(args.folder)
+            protocol(args.folder)
             measure(args)
     else:
         measure(args)

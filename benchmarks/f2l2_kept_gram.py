@@ -2,6 +2,7 @@
 against forming it at removal time (the block products between the retained clients' factors).
 
     python benchmarks/f2l2_kept_gram.py runs/f2l2_text_3200_cg_precond --repeats 3
+    python benchmarks/f2l2_kept_gram.py --quick    # its own small digits protocol (cg, rank-8 factors)
 
 Takes a finished `recipes/f2l2_backdoor.py` folder trained with `curvature_rank` > 0, and times the default
 removal of client 0 (no client contacted) `--repeats` times each way on the trained run's final state: as
@@ -11,7 +12,6 @@ over repeats), each removal's time against the retraining's training rounds (`re
 the distance between the two removals' models (the same step: only where the Gram comes from differs).
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -21,17 +21,38 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from f2l2_curvature_rank import QUICK, folder_parser, on_folder  # noqa: E402  (this folder is on sys.path)
+
+from hf_fedtask.config import RunConfig  # noqa: E402
 from hf_fedtask.core.state import CURVATURE_GRAM, GlobalState, curvature_name  # noqa: E402
+from hf_fedtask.engine.run import run  # noqa: E402
 from hf_fedtask.engine.run_folder import open_finished_run  # noqa: E402
 from hf_fedtask.strategies.base import task_model  # noqa: E402
 
+LOCAL = ("local_epochs", "learning_rate", "lr_scheduler")  # the digits protocol's local optimizer, which cg refuses
+QUICK_CG = {**{k: v for k, v in QUICK.items() if k not in LOCAL},
+            "strategy_options": {**QUICK["strategy_options"], "l2": 0.01, "linear_solver": "cg", "curvature_rank": 8}}
+
+
+def quick_protocol(folder: Path) -> None:
+    """The small digits protocol under linear_solver cg with rank-8 factors: `trained`, and `retrained` without
+    client 0."""
+    run(RunConfig(**QUICK_CG, output_dir=str(folder / "trained")))
+    run(RunConfig(**QUICK_CG, exclude_clients=[0], output_dir=str(folder / "retrained")))
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path, help="a finished recipes/f2l2_backdoor.py folder (curvature_rank > 0)")
+    parser = folder_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="without a folder: a small digits protocol of its own in a temporary folder")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--client", type=int, default=0)
     args = parser.parse_args()
+    on_folder(parser, args, measure, protocol=quick_protocol)
+
+
+def measure(args) -> None:
+    """Times the removal both ways on `args.folder` and prints the lines the module docstring names."""
     finished = open_finished_run(args.folder / "trained")
     state, env = finished.state, finished.env
     if not state.scalars.get("curvature_rank"):

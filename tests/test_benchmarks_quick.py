@@ -28,6 +28,7 @@ SCRIPTS = {
         "minilm-probe", "minilm-lora")], True),
     "f2l2_preconditioner.py": ([rf"^RATIO {form} plain/preconditioned removal time = {NUMBER} " for form in (
         "auto", "retained", "difference")], True),
+    "f2l2_kept_gram.py": ([rf"^RATIO kept Gram / formed at removal: {NUMBER}$"], True),
     "f2l2_at_optimum.py": ([rf"^WITHIN (?:yes|no) ΔTA \S+ ΔBSR \S+ distance {NUMBER}: F²L² default \(H_s\)$"], True),
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
