@@ -476,8 +476,9 @@ class F2L2(Strategy, Linearized, ClientRemoval):
             return {PRODUCT: self._model(state)}
         if query in (GRADIENT_QUERY, CG_START):
             model = self._model(state)
-            factor = {CURVATURE: self._factor_template(model, self.config.curvature_rank)}
-            return {GRADIENT: model, **(factor if self.factor_query(query) else {})}
+            if not self.factor_query(query):
+                return {GRADIENT: model}
+            return {GRADIENT: model, CURVATURE: self._factor_template(model, self.config.curvature_rank)}
         return super().downlink(state, client_id, tasks)
 
     # -- client ------------------------------------------------------------------------------------
