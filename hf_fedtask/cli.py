@@ -60,7 +60,8 @@ def _typed(value: str) -> bool | int | float | str:
 def _flower_worker(args) -> int:
     from hf_fedtask.engine.flower.worker import serve
 
-    serve(args.socket, threads=args.threads)
+    serve(args.socket, threads=args.threads, authkey_file=args.authkey_file, request_timeout=args.request_timeout,
+          max_frame=int(args.max_frame_gib * (1 << 30)))
     return 0
 
 
@@ -400,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "goes into the SuperNode's --node-config as worker='PATH'")
     f.add_argument("--threads", type=int, default=None, help="torch threads of the worker (default: torch's choice, "
                    "or OMP_NUM_THREADS)")
+    f.add_argument("--authkey-file", default=None, help="where the worker writes its key (32 random bytes, mode 0600, "
+                   "removed when it stops); default: the socket path + .key, where the ClientApp looks for it. "
+                   "Elsewhere, give the SuperNode's --node-config worker-key='PATH' too")
+    f.add_argument("--request-timeout", type=float, default=60.0, help="seconds a connection has to deliver its "
+                   "request (the handling, i.e. training, is not timed); a stalled one is closed (default 60)")
+    f.add_argument("--max-frame-gib", type=float, default=4.0, help="largest payload or store a request may carry, "
+                   "in GiB (default 4)")
     f.set_defaults(func=_flower_worker)
     f = flower_sub.add_parser("credentials", help="a CA, the SuperLink's TLS certificate and one key pair per "
                               "SuperNode (flower-superlink --enable-supernode-auth), with where each file goes")

@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from hf_fedtask.core.fields import allowed_values, check_fields, field_type, option
-from hf_fedtask.core.names import MIXED_PRECISIONS, OUTPUT_SPACES, PARTITIONS
+from hf_fedtask.core.names import BAD_UPLOADS, MIXED_PRECISIONS, OUTPUT_SPACES, PARTITIONS
 from hf_fedtask.data.builtin_tasks import SUITES
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, PEFT_METHODS
@@ -119,12 +119,14 @@ class RunConfig:
                                       "before training for the run's rounds and client sampling", minimum=0.0,
                                       exclusive_minimum=True)
     dp_delta: float = option(1e-5, "client-level DP: the δ of the (ε, δ) reported or targeted", minimum=0.0,
-                             maximum=1.0, exclusive_minimum=True)
+                             maximum=1.0, exclusive_minimum=True, exclusive_maximum=True)
     dp_noise: str = option("server", "client-level DP: where the noise is drawn: server (central) | clients (each of "
-                           "the h contributors to a sum adds N(0, σ²C²/h); composes with secure aggregation)",
+                           "the h contributors to a sum adds N(0, σ²C²/h); needs secure aggregation, e.g. fedyolo "
+                           "--secure-aggregation)",
                            choices=("server", "clients"))
-    dp_noise_seed: int | None = option(None, "client-level DP: seed of the noise, for reproducible tests only: anyone "
-                                       "who knows it can remove the noise (default: a secret os.urandom seed)",
+    dp_noise_seed: int | None = option(None, "client-level DP: seed of the noise and of the client sample, for "
+                                       "reproducible tests only: anyone who knows it can remove the noise and knows "
+                                       "who was sampled (default: secret os.urandom keys)",
                                        minimum=0)
     # backdoor protocol (F²L²): one client's training data all carry a trigger and the target label;
     # evaluation adds each task's backdoor success rate on the triggered test inputs of other classes
@@ -164,11 +166,15 @@ class RunConfig:
                                   "(logs under OUTPUT_DIR/logs)")
     export: bool = option(True, "write each task's PEFT adapter (and the strategy's exports) when the run ends")
     save_payloads: bool = option(False, "keep every round's uplink/downlink bytes under OUTPUT_DIR/payloads (audits)")
+    bad_uploads: str = option("drop", "a client reply the server refuses (another client's id, a past round, tasks or "
+                              "counts it does not hold, wrong tensors): drop (leave the client out of the round, the "
+                              "reason in metrics.jsonl) | stop (end the run before the round is written, exit 2)",
+                              choices=BAD_UPLOADS)
 
     # fields that may change between a run and its resumption without making it a different run
     RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = (
         "output_dir", "rounds", "report_to", "export", "eval_batch_size", "eval_every", "save_payloads", "device",
-        "generation_eval")
+        "generation_eval", "bad_uploads")
 
     def __post_init__(self):
         check_fields(self)  # types, choices and ranges of every field

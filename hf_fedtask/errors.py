@@ -46,3 +46,13 @@ class LinearizationError(FedTaskError, ValueError):
 class WorkerError(FedTaskError):
     """A SuperNode's warm client worker (`hf-fedtask flower worker`) is unreachable, already running,
     or failed to answer a message."""
+
+
+class UntrustedUpload(ProtocolError):
+    """A client's reply failed a check at the server's trust boundary (`hf_fedtask.engine.trust`): its
+    header names another client or round, tasks or sample counts it does not hold, malformed metrics, or
+    tensors that do not match what the server expects of it. `client`, `round` and `field` name the fault."""
+
+    def __init__(self, client: int, round: int, field: str, message: str):
+        super().__init__(f"client {client}, round {round}: {message}")
+        self.client, self.round, self.field = client, round, field

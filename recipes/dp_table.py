@@ -84,7 +84,9 @@ def run_cell(base: RunConfig, method: str, eps: float | str, resume: bool) -> di
 def uploaded_parameters(folder: Path) -> int:
     """Parameters one client uploads per round (the first round's uplink over its clients)."""
     first = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
-    return round(first["params_uplink"] / len(first["clients"]))
+    from hf_fedtask.privacy.report import round_clients
+
+    return round(first["params_uplink"] / len(round_clients(first)))
 
 
 def add_remove_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:

@@ -10,16 +10,20 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from hf_fedtask.config import RunConfig
-from hf_fedtask.engine.ranks import balance
+from hf_fedtask.core.secagg import SecAggClient
+from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
+from hf_fedtask.engine.ranks import ClientSecrets, RankTransport, balance
 from hf_fedtask.engine.run import run
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.device import autocast, check_mixed_precision, resolve_device
+from hf_fedtask.strategies import QUERY, TRAIN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,12 +193,14 @@ say(f"trainers {PartialState().distributed_type}")  # the state the last Trainer
 """
 
 
-def _torchrun(tmp_path, config: RunConfig, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path, config: RunConfig, *extra: str, processes: int = 2, prelude: str = "",
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """`config` run by `processes` ranks of torchrun; `prelude`: code each rank runs first."""
     import json
 
     script = tmp_path / "launched.py"
-    script.write_text(textwrap.dedent(_LAUNCHED))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    script.write_text(textwrap.dedent(prelude) + textwrap.dedent(_LAUNCHED))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", str(processes), str(script), json.dumps(config.to_dict()), *extra],
                           capture_output=True, text=True, timeout=600, env=env)
@@ -216,6 +222,68 @@ def test_two_processes_equal_one_process_tensor_for_tensor(strategy, tiny_bert_d
     two = [line for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     strip = lambda line: {k: v for k, v in __import__("json").loads(line).items() if k != "seconds"}  # noqa: E731
     assert [strip(x) for x in one] == [strip(x) for x in two]
+
+
+# rank 0 (the server) writes down each public key it registers: round, client, key
+_RECORD_KEYS = """
+import os
+from hf_fedtask.engine.secure import SecureAggregation
+
+_register = SecureAggregation.register
+
+
+def register(self, client_id, reply):
+    _register(self, client_id, reply)
+    with open(os.environ["KEYS_FILE"], "a") as f:
+        f.write(f"{self.round} {client_id} {self.server.public_keys[client_id]}\\n")
+
+
+SecureAggregation.register = register
+"""
+
+
+def test_secure_aggregation_over_ranks_uses_secrets_from_the_os_and_equals_one_process(tiny_bert_dir,
+                                                                                       tiny_tasks_dir, tmp_path):
+    """Each rank draws its clients' secure-aggregation secrets from the OS and keeps them for the run: no
+    public key the server registers is the one the public run seed derives; the masks cancel in the sum,
+    so the run equals the single-process run (whose secrets derive from the seed) tensor for tensor."""
+    config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "one", strategy="fedyolo",
+                     strategy_options={"secure_aggregation": True}, participation=1.0)
+    run(config)
+    keys = tmp_path / "keys.txt"
+    proc = _torchrun(tmp_path, dataclasses.replace(config, output_dir=str(tmp_path / "two")), prelude=_RECORD_KEYS,
+                     env={"KEYS_FILE": str(keys)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    registered = {(int(r), int(c)): int(k) for r, c, k in (line.split() for line in keys.read_text().splitlines())}
+    assert sorted(registered) == [(r, c) for r in (1, 2) for c in range(4)]
+    seeded = {c: SecAggClient(c, seed=config.seed).public_key for c in range(4)}
+    assert all(key != seeded[c] for (_, c), key in registered.items())
+    assert len({registered[1, c] for c in range(4)}) == 4  # a secret per client
+    # kept for the run: all four clients sampled again, on the same ranks, with the same secrets
+    assert all(registered[1, c] == registered[2, c] for c in range(4))
+
+
+def test_each_client_gets_its_own_secret_kept_by_its_rank():
+    hosted, other = ClientSecrets(), ClientSecrets()
+    assert hosted[3] is hosted[3] and len(hosted[3]) == 32
+    assert len({hosted[0], hosted[1], hosted[3], other[3]}) == 4
+
+
+def test_a_clients_masked_upload_and_reveal_go_to_the_rank_that_answered_its_key_query():
+    """The reveal of one survivor alone would be balanced onto rank 0; it goes where its secret is."""
+    transport = RankTransport.__new__(RankTransport)  # the share logic only: no launch, no store
+    transport.env = SimpleNamespace(partition={c: {"t": [0] * (10 - c)} for c in range(4)})
+    transport.here, transport._secagg_homes = SimpleNamespace(world_size=2), {}
+    keys = [Instruction(QUERY, 1, c, b"", {"query": SECAGG_PUBLIC_KEY}) for c in range(4)]
+    shares = transport._shares(keys)
+    assert shares == [[0, 3], [1, 2]]
+    masked = [Instruction(TRAIN, 1, c, b"", {"secagg_peers": {}}) for c in (2, 3)]
+    assert transport._shares(masked) == [[1], [0]]  # balanced, client 2 would go to rank 0
+    reveal = Instruction(QUERY, 1, 1, b"", {"query": SECAGG_REVEAL, "dropped": [0], "peers": {}})
+    assert transport._shares([reveal]) == [[], [0]]
+    assert transport._shares([Instruction(QUERY, 2, 1, b"", {"query": SECAGG_REVEAL})]) == [[0], []]  # next round
 
 
 def test_a_launch_of_one_process_is_a_plain_run(tiny_bert_dir, tiny_tasks_dir, tmp_path):

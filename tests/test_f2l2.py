@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import Crash, crash_after
 from datasets import concatenate_datasets
+from safetensors import safe_open
 
 from hf_fedtask.cli import main
 from hf_fedtask.client.objectives import AnchoredRidge
@@ -28,13 +29,16 @@ from hf_fedtask.core.state import (
     head_name,
 )
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.data import load_task
 from hf_fedtask.data.backdoor import backdoor_test_set, inside_spread, poisoned, within_goal
+from hf_fedtask.engine import run as engine_run
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.run import run
 from hf_fedtask.engine.run_folder import open_finished_run
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.engine.transport import InProcessTransport
+from hf_fedtask.errors import ConfigError, ProtocolError
 from hf_fedtask.export.linearized import load_linearized
 from hf_fedtask.model.newton import (
     GaussNewton,
@@ -50,7 +54,7 @@ from hf_fedtask.model.newton import (
     solve_within_radius,
 )
 from hf_fedtask.strategies.base import task_model, task_point
-from hf_fedtask.strategies.f2l2 import COMPLETE_TAIL, RemovalOptions
+from hf_fedtask.strategies.f2l2 import COMPLETE_TAIL, F2L2, RemovalOptions
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client
 
 DIGITS = dict(tasks=["digits"], suite=None, base_model="hf-fedtask/small-mlp", peft_method="full", batch_size=32,
@@ -856,6 +860,72 @@ def test_the_cg_solver_trains_to_the_objectives_minimizer_and_retrains_to_the_re
     with pytest.raises(ConfigError, match="linear_solver 'cg' trains by conjugate-gradient rounds.*learning_rate"):
         run(RunConfig(**base, strategy_options=options, learning_rate=0.1, output_dir=str(tmp_path / "refused")))
     assert not (tmp_path / "refused").exists()
+
+
+class _SilentInRound3(InProcessTransport):
+    """Client 1 does not answer round 3 (a CG product round): absent from the replies, its reason in
+    `failures`, as an engine reports a client that did not reply."""
+
+    def exchange(self, instructions):
+        kept = [ins for ins in instructions if (ins.round, ins.client_id) != (3, 1)]
+        self.failures = {1: "unreachable"} if len(kept) < len(instructions) else {}
+        return super().exchange(kept)
+
+
+@pytest.mark.parametrize("factors", [False, True], ids=["without_factors", "with_factors"])
+def test_a_cg_round_without_every_client_of_the_first_round_is_refused_and_not_checkpointed(
+        factors, tiny_bert_dir, tiny_tasks_dir, tmp_path, monkeypatch, capsys):
+    """A CG product over other clients than r₀'s would solve another system (with the clients' factors, the
+    preconditioner would miss the client's sample count): the round is refused with one line naming the
+    client, exit 2, rounds 1-2 stay the checkpoint; the first round's clients are in the checkpoint, so a resume
+    refuses the same, and once the client is back the resumed run finishes."""
+    base = dict(strategy="f2l2", tasks=[tiny_tasks_dir[0]], suite=None, base_model=tiny_bert_dir,
+                peft_method="probe", base_model_id="hf-fedtask-tests/tiny-bert", num_clients=3, rounds=4,
+                batch_size=8, max_length=16, min_samples=4, export=False, output_dir=str(tmp_path / "run"))
+    options = {"pretrain_epochs": 1.0, "server_fraction": 0.2, "l2": 0.05, "linear_solver": "cg",
+               "curvature_rank": 2 if factors else 0}
+    config = RunConfig(**base, strategy_options=options)
+    config.save_yaml(tmp_path / "run.yaml")
+    monkeypatch.setattr(engine_run, "InProcessTransport", _SilentInRound3)  # the default engine's transport
+    refusal = ("hf-fedtask: error: f2l2 linear_solver cg, round 3: client 1 did not reply (clients of the first "
+               "round: 0, 1, 2); conjugate gradient needs every product over the same clients; round 3 is not "
+               "checkpointed: rerun with --resume once every client of the first round replies")
+    for resume in ([], ["--resume"]):
+        capsys.readouterr()
+        assert main(["run", "--config", str(tmp_path / "run.yaml"), *resume]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the progress bars
+        assert errors == [refusal]
+        history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in history] == [1, 2]
+        with safe_open(str(tmp_path / "run" / "checkpoint.safetensors"), "pt") as f:
+            meta = f.metadata()
+        assert meta["round"] == "2" and json.loads(meta["scalars"])["cg_clients"] == [0, 1, 2]
+    monkeypatch.undo()
+    run(config, resume=True)
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in history] == [1, 2, 3, 4] and history[2]["clients"] == [0, 1, 2]
+
+
+def test_a_cg_round_refuses_a_client_that_took_no_part_in_the_first_round():
+    """The first round's clients come from `cg_clients` (or, in a checkpoint from before it was kept, the
+    factors' clients); a reply from a client outside them is refused too, and so are both faults at once."""
+    strategy = F2L2()
+
+    def replies(*ids):
+        return [ClientUpdate(c, 5, {}, {"t": 4}, {}) for c in ids]
+
+    kept = GlobalState(4, {}, {"cg_clients": [0, 1, 2]})
+    assert strategy.check_cg_clients(kept, replies(2, 0, 1)) == [0, 1, 2]
+    with pytest.raises(ProtocolError, match=r"^f2l2 linear_solver cg, round 5: client 3 replied but took no part "
+                                            r"in the first round \(clients of the first round: 0, 1, 2\);"):
+        strategy.check_cg_clients(kept, replies(0, 1, 2, 3))
+    with pytest.raises(ProtocolError, match=r"round 5: clients 0, 2 did not reply and client 4 replied but took "
+                                            r"no part in the first round \(clients of the first round: 0, 1, 2\)"):
+        strategy.check_cg_clients(kept, replies(1, 4))
+    older = GlobalState(4, {}, {"factor_clients": ["0", "1", "2"]})
+    with pytest.raises(ProtocolError, match=r"round 5: client 1 did not reply"):
+        strategy.check_cg_clients(older, replies(0, 2))
+    assert strategy.check_cg_clients(GlobalState(4, {}, {}), replies(2, 0)) == [0, 2]
 
 
 def test_the_clients_complete_factors_precondition_cg_training_to_the_minimizer_in_a_few_rounds(

@@ -19,7 +19,8 @@ from hf_fedtask.core.taskvector_file import make_metadata
 from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
 from hf_fedtask.engine import run as federation
 from hf_fedtask.engine.secure import SecureAggregation
-from hf_fedtask.errors import ConfigError, TaskVectorError
+from hf_fedtask.engine.trust import accept_fields
+from hf_fedtask.errors import ConfigError, UntrustedUpload
 from hf_fedtask.strategies import build_strategy
 from hf_fedtask.strategies.fedyolo import adapter_name, block_index, shared_module_keys
 from hf_fedtask.workflows.personalize import forgetting_ratio, local_only, personalize
@@ -233,14 +234,19 @@ def test_secure_round_refuses_plain_uploads_and_recovers_a_dropped_client():
     for c, client in clients.items():
         key = TaskVector({}).to_bytes(metadata=make_metadata(**HEADER, kind="delta", task_ids=[], client_id=c, round=1,
                                                              public_key=str(client.public_key)))
-        secure.register(c, key)
+        secure.register(c, accept_fields(key, sender=c, round_=1, header=HEADER, fields=("public_key",),
+                                         what="public key"))
     peers = {int(c): int(k) for c, k in secure.peers.items()}
     updates = {c: ClientUpdate(c, 1, {"module/a": TaskVector({"w": torch.full((3,), c + 1.0)})}, {"a": 4})
                for c in (0, 2)}
-    with pytest.raises(TaskVectorError, match="expected int64"):  # an unmasked float upload never reaches the sum
-        secure.receive(0, updates[0].to_bytes(**HEADER))
+
+    def masked(c: int, data: bytes) -> TaskVector:  # the round loop's check of a masked upload
+        return accept_fields(data, sender=c, round_=1, header=HEADER, template=secure.template, what="masked upload")
+
+    with pytest.raises(UntrustedUpload, match="expected int64"):  # an unmasked float upload never reaches the sum
+        masked(0, updates[0].to_bytes(**HEADER))
     for cid, update in updates.items():
-        secure.receive(cid, _masked_upload(clients[cid], update, peers))
+        secure.receive(cid, masked(cid, _masked_upload(clients[cid], update, peers)))
     # client 1 registered but never uploaded: the survivors reveal their pair seeds with it
     asked = []
 

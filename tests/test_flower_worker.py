@@ -5,6 +5,7 @@ or the client, and the ClientApp it serves imports no torch."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -19,9 +20,10 @@ pytest.importorskip("flwr")
 
 import test_flower
 from test_flower import assert_same_run, drive, records, tiny
+from test_flower_worker_guard import header
 
 from hf_fedtask.engine.flower import handler
-from hf_fedtask.engine.flower.worker import ClientRequest, Worker, forward
+from hf_fedtask.engine.flower.worker import ClientRequest, Worker, _authenticated, forward
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.errors import WorkerError
 
@@ -31,30 +33,21 @@ reference_run = test_flower.reference_run  # the fixture: a run in process, to c
 class ServedWorker:
     """A `Worker` serving `handle` in a thread of this process (its socket in `folder`), counting requests."""
 
-    def __init__(self, folder: Path, handle=handler.handle):
+    def __init__(self, folder: Path, handle=handler.handle, **options):
         self.path = str(folder / "w.sock")
-        self.worker = Worker(self.path)
+        self.worker = Worker(self.path, **options)
         self.worker.open()
         self.handle, self.requests = handle, []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread = threading.Thread(target=self.worker.serve, args=(self._counting, sys.stderr), daemon=True)
         self.thread.start()
 
-    def _serve(self):
-        def counting(request):
-            self.requests.append((request.client, request.instruction.kind, request.instruction.round))
-            return self.handle(request)
-
-        listener = self.worker.listener
-        while self.worker.listener is not None:
-            try:
-                conn = listener.accept()
-            except OSError:
-                return
-            with conn:
-                self.worker._serve(conn, counting, sys.stderr)
+    def _counting(self, request):
+        self.requests.append((request.client, request.instruction.kind, request.instruction.round))
+        return self.handle(request)
 
     def close(self):
         self.worker.close()
+        self.thread.join(5)
 
 
 @pytest.fixture
@@ -127,14 +120,23 @@ def test_the_worker_process_serves_and_stops_on_sigterm_removing_its_socket(tmp_
         deadline = time.monotonic() + 120
         while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert path.is_socket()
+        assert path.is_socket() and stat.S_IMODE(os.stat(f"{path}.key").st_mode) == 0o600
+        conn = _authenticated(str(path), f"{path}.key", 30, "a malformed request")
+        with conn:  # once crashed the worker process with a TypeError
+            conn.send_bytes(json.dumps({**header(), "round": None}).encode())
+            conn.send_bytes(b"")
+            conn.send_bytes(b"")
+            assert json.loads(conn.recv_bytes(1 << 20)) == {
+                "ok": False, "error": "the request header's 'round' is null, expected an int >= 0"}
         request = ClientRequest({"config": "{}"}, 0, b"\0" * 32, Instruction("train", 1, 0, b""))
         with pytest.raises(WorkerError, match="client 0: Flower run config: config holds no RunConfig"):
             forward(str(path), request)  # served by the real handler: a bad run config is the reply's error
+        assert proc.poll() is None
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
-    assert proc.returncode == 0 and not path.exists()
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and not path.exists() and not Path(f"{path}.key").exists()
+    assert "hf-fedtask worker: refused a request: the request header's 'round' is null, expected an int >= 0" in err
 
 
 def test_the_clientapp_module_imports_no_torch():

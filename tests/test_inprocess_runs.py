@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from hf_fedtask.cli import main
 from hf_fedtask.config import RunConfig
 from hf_fedtask.engine import run as federation
-from hf_fedtask.errors import OutputDirError, TaskVectorError
+from hf_fedtask.errors import OutputDirError, TaskVectorError, UntrustedUpload
 from hf_fedtask.strategies import FedAvg
 
 
@@ -112,9 +112,14 @@ def test_nan_update_is_rejected_naming_the_client_and_nothing_is_written(tiny_co
         return update
 
     monkeypatch.setattr(FedAvg, "client_update", poisoned)
-    with pytest.raises(TaskVectorError, match=r"client 1 .*lora"):
+    tiny_config.bad_uploads = "stop"
+    with pytest.raises(UntrustedUpload, match=r"^client 1, round 1: refused upload: key 'shared::.*lora.*NaN"):
         federation.run(tiny_config)
     assert not (Path(tiny_config.output_dir) / "checkpoint.safetensors").exists()
+    tiny_config.bad_uploads, tiny_config.rounds = "drop", 1  # the default: the round goes on without client 1
+    federation.run(tiny_config, overwrite=True)
+    (record,) = [json.loads(line) for line in (Path(tiny_config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert record["clients"] == [0, 2, 3] and "NaN or Inf" in record["failed_clients"]["1"]
 
 
 def test_different_run_in_output_dir_is_refused_and_untouched(tiny_config, capsys):

@@ -13,11 +13,12 @@ from hf_fedtask.errors import ConfigError
 
 
 def option(default, help: str, choices: tuple | None = None, minimum: float | None = None,
-           maximum: float | None = None, exclusive_minimum: bool = False, **kwargs):
+           maximum: float | None = None, exclusive_minimum: bool = False, exclusive_maximum: bool = False,
+           **kwargs):
     """A dataclass field with `help` (shown by `--help`), optional `choices` and a range (`minimum`,
-    `maximum`, inclusive unless `exclusive_minimum`; for a list, of each element)."""
+    `maximum`, inclusive unless `exclusive_minimum` / `exclusive_maximum`; for a list, of each element)."""
     metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
-                "exclusive_minimum": exclusive_minimum}
+                "exclusive_minimum": exclusive_minimum, "exclusive_maximum": exclusive_maximum}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
@@ -71,10 +72,11 @@ def check_fields(obj, source: str = "config") -> None:
         choices = f.metadata.get("choices")
         if choices and any(v not in choices for v in values):
             raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
-        low, high, open_low = f.metadata.get("minimum"), f.metadata.get("maximum"), f.metadata.get("exclusive_minimum")
-        if any((low is not None and (v <= low if open_low else v < low)) or (high is not None and v > high)
-               for v in values):
-            raise ConfigError(f"{where}: must be {_bounds(low, high, open_low)}, got {value!r}")
+        low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
+        open_low, open_high = f.metadata.get("exclusive_minimum"), f.metadata.get("exclusive_maximum")
+        if any((low is not None and (v <= low if open_low else v < low))
+               or (high is not None and (v >= high if open_high else v > high)) for v in values):
+            raise ConfigError(f"{where}: must be {_bounds(low, high, open_low, open_high)}, got {value!r}")
         object.__setattr__(obj, f.name, value)
 
 
@@ -84,12 +86,16 @@ def allowed_values(f: dataclasses.Field) -> str | None:
     if meta.get("choices"):
         return "{" + ", ".join(map(str, meta["choices"])) + "}"
     if meta.get("minimum") is not None or meta.get("maximum") is not None:
-        return f"({_bounds(meta.get('minimum'), meta.get('maximum'), meta.get('exclusive_minimum'))})"
+        bounds = _bounds(meta.get("minimum"), meta.get("maximum"), meta.get("exclusive_minimum"),
+                         meta.get("exclusive_maximum"))
+        return f"({bounds})"
     return None
 
 
-def _bounds(low, high, open_low: bool) -> str:
-    """A range in words: `in (0, 1]`, `>= 1`, `<= 5`."""
+def _bounds(low, high, open_low: bool, open_high: bool = False) -> str:
+    """A range in words: `in (0, 1]`, `>= 1`, `< 5`."""
     if low is not None and high is not None:
-        return f"in {'(' if open_low else '['}{low}, {high}]"
-    return f"{'>' if open_low else '>='} {low}" if low is not None else f"<= {high}"
+        return f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    if low is not None:
+        return f"{'>' if open_low else '>='} {low}"
+    return f"{'<' if open_high else '<='} {high}"

@@ -9,3 +9,4 @@ OUTPUT_SPACES = (PER_TASK, MAX, UNION)  # hf_fedtask.model.output_space
 MIXED_PRECISIONS = ("no", "bf16", "fp16")  # Accelerate's names (hf_fedtask.model.device)
 LINEARIZATIONS = ("network", "lora_layers")  # hf_fedtask.model.linearize.MODES
 RESCALERS = ("global_sum", "per_tensor_mean")  # hf_fedtask.merge.unify
+BAD_UPLOADS = ("drop", "stop")  # hf_fedtask.engine.trust: what a round does with a refused reply

@@ -2,8 +2,9 @@
 answering train / query / evaluate instructions with safetensors bytes.
 
 The in-process engine calls it directly; a Flower ClientApp calls it inside a SuperNode with the
-client's private store kept in the node's state. Secure aggregation masks here, on the client, so
-the server only ever holds masked uploads.
+client's private store kept in the node's state. A train update passes through the upload steps
+(`upload_steps`: client-level DP, then secure aggregation's masking) here, on the client, so the server only
+ever holds clipped (and, under secure aggregation, masked) uploads.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from hf_fedtask.core.secagg import SecAggClient
 from hf_fedtask.core.state import ClientStore
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.taskvector_file import make_metadata
-from hf_fedtask.core.wire import ClientUpdate, pack_vectors, unpack_vectors
+from hf_fedtask.core.wire import ClientUpdate, unpack_vectors
 from hf_fedtask.engine.environment import Environment
-from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
+from hf_fedtask.engine.messages import SECAGG_PEERS, SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
+from hf_fedtask.engine.secure import MaskingStep
 from hf_fedtask.errors import ProtocolError
 from hf_fedtask.privacy.settings import dp_requested
-from hf_fedtask.privacy.upload import SHARES, private_update
+from hf_fedtask.privacy.upload import PrivacyStep
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN, ClientJob
 
 
@@ -52,11 +54,8 @@ class ClientRuntime:
                         store=store, query=query)
         if ins.kind == TRAIN:
             update = strategy.client_update(downlink, job, env.trainer)
-            if dp_requested(env.config):  # client-level DP: clipped (and, in the clients mode, noised) here
-                update = private_update(strategy, update, job, env.config.dp_clip, ins.config.get(SHARES),
-                                        env.config.dp_noise_seed)
-            if "secagg_peers" in ins.config:
-                return self._masked(update, ins)
+            for step in self.upload_steps(ins):
+                update = step(update, ins, job)
             return update.to_bytes(**env.header())
         if ins.kind == QUERY:
             return strategy.client_query(downlink, job, env.trainer).to_bytes(**env.header())
@@ -71,16 +70,19 @@ class ClientRuntime:
         return evaluate(self.env.host, self.env.task_view(params, task), self.env.test_data(task), t.metric,
                         self.env.config.eval_batch_size)
 
+    def upload_steps(self, ins: Instruction) -> list:
+        """What is applied to a train update after `client_update`, in order, as Flower's client mods follow a
+        ClientApp: client-level DP (clipped and, in the clients mode, noised: `PrivacyStep`) when the run asks
+        for it, then masking (`MaskingStep`) when the instruction carries the secure-aggregation peers."""
+        config, steps = self.env.config, []
+        if dp_requested(config):
+            steps.append(PrivacyStep(self.env.strategy, config.dp_clip, config.dp_noise_seed))
+        if SECAGG_PEERS in ins.config:
+            steps.append(MaskingStep(self._secagg()))
+        return steps
+
     def _secagg(self) -> SecAggClient:
         return SecAggClient(self.client_id, seed=self.secagg_secret)
-
-    def _masked(self, update: ClientUpdate, ins: Instruction) -> bytes:
-        """The update flattened, fixed-point encoded and masked, as int64, under a header that names no
-        task (sample counts and training metrics stay on the client)."""
-        peers = {int(c): int(k) for c, k in ins.config["secagg_peers"].items()}
-        masked = self._secagg().mask(pack_vectors(update.vectors), ins.round, peers)
-        meta = make_metadata(**self.env.header(), kind="delta", task_ids=[], client_id=self.client_id, round=ins.round)
-        return masked.to_bytes(metadata={**meta, **masked.raw_metadata})
 
     def _metadata_reply(self, ins: Instruction, **fields: str) -> bytes:
         meta = make_metadata(**self.env.header(), kind="delta", task_ids=[], client_id=self.client_id,

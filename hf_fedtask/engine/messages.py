@@ -15,6 +15,7 @@ from hf_fedtask.core.kinds import KINDS
 # queries the engine itself asks (strategies' own queries are any other name)
 SECAGG_PUBLIC_KEY = "secagg/public_key"
 SECAGG_REVEAL = "secagg/reveal"
+SECAGG_PEERS = "secagg_peers"  # a train instruction's config key: the round's public keys, to mask against
 
 
 @dataclass

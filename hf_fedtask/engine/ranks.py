@@ -14,11 +14,21 @@ Ranks talk through the launcher's key-value store (`torch.distributed.rendezvous
 TCPStore torchrun and Accelerate start), in the same bytes the other engines move (safetensors
 blobs, JSON headers), never pickles; no collective process group is formed, so each rank's Trainer
 stays a plain single-process loop (`hf_fedtask.model.device.hide_launch_from_trainers`).
+
+Secure aggregation (FedYolo's `secure_aggregation`): each rank draws the Diffie-Hellman secret of every
+client it hosts from the OS (`secrets.token_bytes(32)`, `ClientSecrets`) and keeps it in its own process
+for the run; it never travels (the client stores that do travel hold none). A round's key query, masked
+upload and reveal of a client go to the same rank, so they use the same secret; the masks cancel in the
+sum, so the run still equals the single-process run. Its limits: the clients rank 0 hosts share the
+server's process, which could read their secrets, so only the clients of the other ranks are protected
+from the server; and the single-process simulator (`InProcessTransport`) derives every secret from the
+public run seed for exact repeatability, so its secure aggregation is a simulation, not a protection.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import struct
 from datetime import timedelta
 from itertools import count
@@ -29,10 +39,11 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
-from hf_fedtask.engine.messages import Instruction
+from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
 from hf_fedtask.engine.transport import InProcessTransport
 from hf_fedtask.errors import FedTaskError, ProtocolError
 from hf_fedtask.model.device import Launch, hide_launch_from_trainers, launch
+from hf_fedtask.strategies import QUERY, TRAIN
 
 ACK_WAIT = timedelta(seconds=60)  # for the other ranks to read the end of a run
 WAIT = timedelta(days=30)  # a rank waits as long as rank 0 evaluates or exports; the launcher ends it if rank 0 dies
@@ -129,6 +140,29 @@ def balance(sizes: dict, ranks: int) -> list[list]:
     return [sorted(share, key=order.get) for share in shares]
 
 
+class ClientSecrets:
+    """The secure-aggregation secrets of the clients this rank hosts: 32 random bytes from the OS per
+    client, drawn at its first instruction and kept in this process for the run, so nothing public (the
+    run seed) derives them and no other process holds them."""
+
+    def __init__(self):
+        self._secrets: dict[int, bytes] = {}
+
+    def __getitem__(self, client_id: int) -> bytes:
+        if client_id not in self._secrets:
+            self._secrets[client_id] = secrets.token_bytes(32)
+        return self._secrets[client_id]
+
+
+def _secagg_query(ins: Instruction, query: str) -> bool:
+    return ins.kind == QUERY and ins.config.get("query") == query
+
+
+def _continues_secagg(ins: Instruction) -> bool:
+    """A masked upload or a reveal: it needs the secret whose public key the client gave this round."""
+    return (ins.kind == TRAIN and "secagg_peers" in ins.config) or _secagg_query(ins, SECAGG_REVEAL)
+
+
 class RankTransport(InProcessTransport):
     """Rank 0's transport: the round's instructions shared among the launch's ranks; the clients'
     stores stay here (checkpointed with the server state) and travel with each instruction."""
@@ -142,6 +176,32 @@ class RankTransport(InProcessTransport):
         self.session = next(_sessions)
         self._seq = count()
         self._closed = False
+        self._secrets = ClientSecrets()  # of the clients rank 0 hosts
+        self._secagg_homes: dict[tuple[int, int], int] = {}  # (round, client) -> rank of its key query
+
+    def runtime(self, client_id: int) -> ClientRuntime:
+        """A client rank 0 hosts, with its secret from this process's `ClientSecrets`, not the run seed."""
+        return ClientRuntime(self.env, client_id, secagg_secret=self._secrets[client_id])
+
+    def _shares(self, instructions: list[Instruction]) -> list[list[int]]:
+        """The instructions' indices per rank, balanced by the clients' data sizes; a client's masked
+        upload or reveal goes to the rank that answered its key query this round (its secret is there)."""
+        pinned, sizes = {}, {}
+        for i, ins in enumerate(instructions):
+            home = self._secagg_homes.get((ins.round, ins.client_id)) if _continues_secagg(ins) else None
+            if home is not None:
+                pinned[i] = home
+            else:
+                sizes[i] = sum(len(d) for d in self.env.partition[ins.client_id].values())
+        shares = balance(sizes, self.here.world_size)
+        for i, rank in pinned.items():
+            shares[rank].append(i)
+        shares = [sorted(share) for share in shares]
+        homes = {(instructions[i].round, instructions[i].client_id): rank for rank, share in enumerate(shares)
+                 for i in share if _secagg_query(instructions[i], SECAGG_PUBLIC_KEY)}
+        if homes:  # a round's key exchange: the homes of the rounds before are no longer needed
+            self._secagg_homes = homes
+        return shares
 
     def _send(self, rank: int, seq: int, header: dict, blobs: list[bytes] = ()) -> None:
         _put(self.store, f"hf_fedtask/{self.session}/{seq}/to/{rank}", _frame(
@@ -154,9 +214,7 @@ class RankTransport(InProcessTransport):
         return range(1, self.here.world_size)
 
     def exchange(self, instructions: list[Instruction]) -> dict[int, bytes]:
-        sizes = {i: sum(len(d) for d in self.env.partition[ins.client_id].values())
-                 for i, ins in enumerate(instructions)}
-        shares = balance(sizes, self.here.world_size)
+        shares = self._shares(instructions)
         seq = next(self._seq)
         for rank in self._others():
             items = [instructions[i] for i in shares[rank]]
@@ -228,6 +286,7 @@ def serve(config) -> dict:
     run; return its results (or raise its error)."""
     here, store, session = launch(), rank_store(), next(_sessions)
     env = server = None
+    hosted = ClientSecrets()  # of the clients this rank is sent, for the run
     for seq in count():
         header, blobs = _unframe(_take(store, f"hf_fedtask/{session}/{seq}/to/{here.rank}"))
         if header["fingerprint"] != config.fingerprint():
@@ -257,7 +316,7 @@ def serve(config) -> dict:
             ins = Instruction(item["kind"], item["round"], item["client_id"], blobs[2 * i], item["config"])
             client_store = _store_of(blobs[2 * i + 1])
             try:
-                reply = ClientRuntime(env, ins.client_id).handle(ins, client_store)
+                reply = ClientRuntime(env, ins.client_id, secagg_secret=hosted[ins.client_id]).handle(ins, client_store)
                 items.append({"client_id": ins.client_id, "error": None})
                 out += [reply, _store_bytes(client_store)]
             except Exception as exc:

@@ -1,7 +1,12 @@
 """The server half of every engine: one round of the shared loop.
 
-    sample clients (seeded) -> downlink bytes -> transport -> replies validated as untrusted uploads
-    -> strategy.server_aggregate -> evaluate every task -> a metrics record
+    sample clients -> downlink bytes -> transport -> replies validated as untrusted uploads
+    -> aggregation -> evaluate every task -> a metrics record
+
+What samples and aggregates is chosen once per run (`hf_fedtask.engine.aggregation`): the strategy itself (a
+seeded sample, `server_aggregate`) or the strategy wrapped in client-level DP (`hf_fedtask.privacy.server`: a
+secret sample, re-clip and noise, `private_aggregate`, the accountant). How a round's uploads arrive is chosen
+per round: parsed one by one (`_Uploads`), or masked into one sum (`hf_fedtask.engine.secure.SecureRound`).
 
 Only `transport.exchange` differs between engines, so byte accounting, validation and the records
 written to metrics.jsonl are the same whether clients ran in this process or in Flower SuperNodes.
@@ -9,6 +14,7 @@ written to metrics.jsonl are the same whether clients ran in this process or in 
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -18,22 +24,21 @@ from hf_fedtask.client.evaluation import generation_exact_match, predict, score
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.core.state import GlobalState
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.core.wire import ClientUpdate, pack_vectors
+from hf_fedtask.core.wire import pack_vectors
 from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
 from hf_fedtask.data.backdoor import success_rate
+from hf_fedtask.engine.aggregation import choose
 from hf_fedtask.engine.environment import Environment
-from hf_fedtask.engine.messages import SECAGG_PUBLIC_KEY, SECAGG_REVEAL, Instruction
-from hf_fedtask.engine.secure import SecureAggregation, parse_seeds
+from hf_fedtask.engine.messages import Instruction
+from hf_fedtask.engine.secure import SecureRound
 from hf_fedtask.engine.transport import Transport
-from hf_fedtask.errors import ConfigError, FedTaskError
-from hf_fedtask.privacy.aggregation import add_central_noise, clipped_fraction, contributors, uniform
-from hf_fedtask.privacy.noise import CLIENTS
-from hf_fedtask.privacy.settings import PrivacySettings, json_epsilon, resolve_privacy
-from hf_fedtask.privacy.upload import SHARES
+from hf_fedtask.engine.trust import STOP, accept_evaluation, accept_update
+from hf_fedtask.errors import ConfigError, FedTaskError, SecAggError, UntrustedUpload
+from hf_fedtask.privacy.settings import PrivacySettings, resolve_privacy
 from hf_fedtask.strategies import EVALUATE, QUERY, TRAIN
 from hf_fedtask.strategies.base import aggregation_diagnostics
 
-EMPTY = TaskVector({}).to_bytes()
+logger = logging.getLogger(__name__)
 
 
 class Server:
@@ -46,7 +51,7 @@ class Server:
         self.config = env.config
         self.payload_dir = payload_dir
         self._privacy: tuple[PrivacySettings | None] | None = None  # resolved once (σ may be calibrated)
-        self._accountant = None
+        self._aggregation = None
 
     @property
     def num_clients(self) -> int:
@@ -57,13 +62,24 @@ class Server:
         return max(1, int(np.ceil(self.config.participation * self.num_clients - 1e-9)))
 
     def sample_clients(self, round_: int) -> list[int]:
-        """Participation ξ: a seeded sample of ⌈ξ·N⌉ clients, a function of (seed, round) only."""
-        rng = np.random.default_rng([self.config.seed, round_])
-        if not self.config.exclude_clients:
-            return sorted(int(c) for c in rng.choice(self.num_clients, size=self.clients_per_round, replace=False))
-        eligible = [c for c in range(self.num_clients) if c not in set(self.config.exclude_clients)]
-        size = min(self.clients_per_round, len(eligible))
-        return sorted(int(c) for c in rng.choice(eligible, size=size, replace=False))
+        """Participation ξ: ⌈ξ·N⌉ of the eligible clients, without replacement: a seeded sample, a function of
+        (seed, round) only, or under client-level DP a secret one (`hf_fedtask.privacy.sampling`)."""
+        excluded = set(self.config.exclude_clients)
+        eligible = [c for c in range(self.num_clients) if c not in excluded]
+        return self.aggregation.sample(eligible, min(self.clients_per_round, len(eligible)), round_)
+
+    @property
+    def aggregation(self):
+        """What samples and aggregates the rounds (`hf_fedtask.engine.aggregation`): the strategy itself, or
+        wrapped in client-level DP (`hf_fedtask.privacy.server.PrivateAggregation`) when the run asks for it."""
+        if self._aggregation is None:
+            self._aggregation = choose(self.strategy, self.config.seed, self.privacy)
+        return self._aggregation
+
+    def start(self, state: GlobalState) -> None:
+        """What the state a run continues from decides before anything is written (under DP: the σ of the
+        remaining rounds, or a refusal when their privacy cannot be accounted)."""
+        self.aggregation.start(state)
 
     @property
     def privacy(self) -> PrivacySettings | None:
@@ -130,84 +146,55 @@ class Server:
         clients = self.sample_clients(round_)
         kind = strategy.message_kind(state)
         config = {"query": strategy.query_name(state)} if kind == QUERY else {}
-        secure, dp = None, self.privacy if kind == TRAIN else None
-        templates = strategy.private_templates if dp is not None else strategy.update_templates
-        if kind == TRAIN and strategy.capabilities.secure_aggregation:
-            secure, clients = self._key_exchange(state, round_, clients, transport, templates)
-            config["secagg_peers"] = secure.peers
-        instructed = None  # under DP, each upload entry's number of contributors this round
-        if dp is not None:
-            instructed = contributors({c: templates(state, c, allocation[c]) for c in clients},
-                                      strategy.public_entries)
-            if dp.noise == CLIENTS:
-                config[SHARES] = {"noise_multiplier": dp.noise_multiplier, "contributors": instructed}
+        # the round's aggregation (the strategy's, or wrapped in client-level DP) and how its uploads arrive
+        # (parsed one by one, or masked into a secure-aggregation sum)
+        aggregation = self.aggregation.open(state, round_, trains=kind == TRAIN)
+        receipt = (SecureRound(lambda c: aggregation.templates(c, allocation[c]), round_, header, transport,
+                               self._admit)
+                   if kind == TRAIN and strategy.capabilities.secure_aggregation
+                   else _Uploads(self, aggregation, round_, allocation))
+        clients = receipt.admit(clients)
+        config.update(receipt.config)
+        config.update(aggregation.configure(clients))
         sent = {c: pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes() for c in clients}
         replies = transport.exchange([Instruction(kind, round_, c, sent[c], config) for c in clients])
-        received = [c for c in clients if c in replies]
         # this exchange's failures, before later exchanges of the round (evaluation) overwrite them
         failed = {c: transport.failures.get(c, "no reply") for c in clients if c not in replies}
+        traffic = {}
+        for c in [c for c in clients if c in replies]:
+            # the paper's communication cost T x M x P counts parameters: P = numel of what is sent (a refused
+            # reply's bytes count, its parameters do not)
+            traffic[c] = {"uplink": len(replies[c]), "downlink": len(sent[c]), "params_uplink": 0,
+                          "params_downlink": TaskVector.from_bytes(sent[c], source="").numel()}
+            self._keep_payloads(round_, c, replies[c], sent[c])
+            numel = self._admit(failed, c, lambda c=c: receipt.receive(c, replies[c]))
+            if numel is not None:
+                traffic[c]["params_uplink"] = numel
+        received = [c for c in clients if c in replies and c not in failed]
         if not received:
             raise FedTaskError(f"round {round_}: no client replied ({_failures(failed)})")
-        traffic, updates = {}, []
-        for c in received:
-            traffic[c] = {"uplink": len(replies[c]), "downlink": len(sent[c])}
-            self._keep_payloads(round_, c, replies[c], sent[c])
-            if secure is not None:
-                secure.receive(c, replies[c])
-                numel = secure.template.numel()
-            else:
-                update = ClientUpdate.from_bytes(replies[c], templates=templates(state, c, allocation[c]),
-                                                 expect=header, source=f"client {c} (round {round_})")
-                updates.append(update)
-                numel = sum(tv.numel() for tv in update.vectors.values())
-            # the paper's communication cost T x M x P counts parameters: P = numel of what is sent
-            traffic[c].update(params_uplink=numel, params_downlink=TaskVector.from_bytes(sent[c], source="").numel())
-        if secure is not None:
-            updates = [secure.finish(lambda survivor, dropped: self._reveal(survivor, dropped, round_, secure,
-                                                                            transport))]  # the sum only
-        if dp is not None:
-            clipped = clipped_fraction(updates)
-            updates = add_central_noise(uniform(updates), dp, round_, strategy.public_entries, instructed,
-                                        {n: len(received) for n in instructed} if secure is not None else None)
-            state = strategy.private_aggregate(state, updates)
-        else:
-            state = strategy.server_aggregate(state, updates)
+        updates, summed_from = receipt.finish()
+        state = aggregation.aggregate(updates, summed_from)
         evals = self.evaluate(state, transport) if evaluate else None
         record = self._record(round_, kind, received, failed, updates, evals, traffic, start, state)
-        if dp is not None:
-            record["privacy"] = self._privacy_record(dp, round_, clipped)
-        return state, record
+        return state, aggregation.publish(record)
 
-    def _privacy_record(self, dp: PrivacySettings, round_: int, clipped: float | None) -> dict:
-        """ε spent up to this round (dp-accounting, `hf_fedtask.privacy.accountant`) and the mechanism's values;
-        `clipped_fraction` (the share of this round's uploads their clients clipped) is a diagnostic outside
-        the guarantee, unknown (None) under secure aggregation."""
-        from hf_fedtask.privacy.accountant import RunningAccountant
+    def sample_counts(self, client: int, tasks: list[str], private: bool = False) -> dict[str, int]:
+        """The sample count per task `client`'s replies must report: its partition's sizes, which the server
+        knows (the seeded partitioner runs on both sides), or 1 per task under DP (uniform weights)."""
+        return {t: 1 if private else len(self.env.partition[client][t]) for t in tasks}
 
-        if self._accountant is None:
-            self._accountant = RunningAccountant(dp.population, dp.sample, dp.noise_multiplier, dp.delta)
-        return {"epsilon": json_epsilon(self._accountant.advance_to(round_)), "delta": dp.delta,
-                "noise_multiplier": dp.noise_multiplier, "clip": dp.clip, "clipped_fraction": clipped,
-                "noise": dp.noise, "accountant": "dp-accounting RDP"}
-
-    def _key_exchange(self, state, round_, clients, transport, templates) -> tuple[SecureAggregation, list[int]]:
-        first = clients[0]
-        secure = SecureAggregation(templates(state, first, state.allocation[first]), round_, self.env.header())
-        keys = transport.exchange([Instruction(QUERY, round_, c, EMPTY, {"query": SECAGG_PUBLIC_KEY}) for c in clients])
-        for c in clients:
-            if c in keys:
-                secure.register(c, keys[c])
-        return secure, [c for c in clients if c in keys]
-
-    def _reveal(self, survivor: int, dropped: list[int], round_: int, secure: SecureAggregation,
-                transport: Transport) -> dict[int, bytes]:
-        ins = Instruction(QUERY, round_, survivor, EMPTY, {"query": SECAGG_REVEAL, "dropped": dropped,
-                                                           "peers": secure.peers})
-        reply = transport.exchange([ins])
-        if survivor not in reply:
-            raise FedTaskError(f"secure aggregation, round {round_}: survivor {survivor} did not reveal its seeds "
-                               f"({_failures({survivor: transport.failures.get(survivor, 'no reply')})})")
-        return parse_seeds(reply[survivor], source=f"client {survivor} (round {round_}, seeds)")
+    def _admit(self, refused: dict[int, str], client: int, accept):
+        """`accept()`'s value, or None where the reply fails the trust boundary: the client is then left out
+        of the round (`refused` records why) under `bad_uploads: drop`, or the run stops under `stop`."""
+        try:
+            return accept()
+        except (UntrustedUpload, SecAggError) as e:
+            if self.config.bad_uploads == STOP:
+                raise
+            logger.warning("%s; client %d is left out of this round (bad_uploads: drop)", e, client)
+            refused[client] = f"refused: {e}"
+            return None
 
     def _keep_payloads(self, round_: int, client: int, uplink: bytes, downlink: bytes) -> None:
         if self.payload_dir is None:
@@ -326,21 +313,50 @@ class Server:
                                     {"tasks": tasks}) for c, tasks in sorted(allocation.items())]
         replies = transport.exchange(instructions)
         per_task: dict[str, list[dict]] = {t.name: [] for t in self.env.tasks}
+        refused: dict[int, str] = {}
         for c, reply in sorted(replies.items()):
-            metrics = ClientUpdate.from_bytes(reply, templates={}, expect=header,
-                                              source=f"client {c} (round {state.round}, evaluation)").metrics
-            for task in allocation[c]:
+            metrics = self._admit(refused, c, lambda c=c, reply=reply: accept_evaluation(
+                reply, sender=c, round_=state.round, header=header, counts=self.sample_counts(c, allocation[c]),
+                metrics={task: self.env.task_by_name[task].metric for task in allocation[c]}))
+            for task in allocation[c] if metrics is not None else ():
                 per_task[task].append(metrics[task])
         out = {}
         for t in self.env.tasks:
             values = [m[t.metric] for m in per_task[t.name]]
             if not values:
-                holders = [c for c, tasks in sorted(allocation.items()) if t.name in tasks]
-                raise FedTaskError(f"evaluation of {t.name!r}: none of its holders replied "
-                                   f"({_failures({c: transport.failures.get(c, 'no reply') for c in holders})})")
+                holders = {c: refused.get(c) or transport.failures.get(c, "no reply")
+                           for c, tasks in sorted(allocation.items()) if t.name in tasks}
+                raise FedTaskError(f"evaluation of {t.name!r}: none of its holders replied ({_failures(holders)})")
             out[t.name] = {t.metric: float(np.mean(values)), "num_examples": per_task[t.name][0]["num_examples"],
                            "clients": len(values)}
         return out
+
+
+class _Uploads:
+    """A round's uploads received one by one: each parsed at the trust boundary (`hf_fedtask.engine.trust`) into a
+    `ClientUpdate` of the layout `aggregation` expects from its client, with the sample counts the server knows
+    (1 per task held where the aggregation weighs every upload the same)."""
+
+    config: dict = {}
+
+    def __init__(self, server: Server, aggregation, round_: int, allocation: dict[int, list[str]]):
+        self.server, self.aggregation, self.round, self.allocation = server, aggregation, round_, allocation
+        self.updates = []
+
+    def admit(self, clients: list[int]) -> list[int]:
+        return clients
+
+    def receive(self, c: int, reply: bytes) -> int:
+        """The upload of client `c`, checked and kept; its number of elements."""
+        tasks = self.allocation[c]
+        update = accept_update(reply, sender=c, round_=self.round, templates=self.aggregation.templates(c, tasks),
+                               header=self.server.env.header(),
+                               counts=self.server.sample_counts(c, tasks, self.aggregation.uniform_counts))
+        self.updates.append(update)
+        return sum(tv.numel() for tv in update.vectors.values())
+
+    def finish(self) -> tuple[list, None]:
+        return self.updates, None
 
 
 def _failures(failed: dict[int, str]) -> str:

@@ -63,6 +63,10 @@ class InProcessTransport(Transport):
         replies = {}
         desc = f"round {instructions[0].round} {instructions[0].kind}" if instructions else ""
         for ins in tqdm(instructions, desc=desc, leave=False, dynamic_ncols=True, disable=len(instructions) < 2):
-            runtime = ClientRuntime(self.env, ins.client_id)
-            replies[ins.client_id] = runtime.handle(ins, self._stores.setdefault(ins.client_id, {}))
+            replies[ins.client_id] = self.runtime(ins.client_id).handle(ins, self._stores.setdefault(ins.client_id, {}))
         return replies
+
+    def runtime(self, client_id: int) -> ClientRuntime:
+        """Client `client_id` as this process runs it: here with the run seed as its secure-aggregation
+        secret, so a simulation repeats exactly (a simulation of the protocol, not a protection)."""
+        return ClientRuntime(self.env, client_id)

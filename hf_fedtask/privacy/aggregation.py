@@ -5,7 +5,10 @@ uniform weights (sample counts replaced by 1 per task held), the central noise o
 Every strategy that supports DP aggregates by summing each entry (the shared modules, a task's head, a
 slot) over its contributors, so noise on a sum can ride on the contributors' uploads: in the `server` mode
 each of the r received contributors to an entry gets a share N(0, σ²C²/r) (a secure-aggregation sum, one
-update, gets all of N(0, σ²C²)); their sum carries exactly the central noise. In the `clients` mode the h
+update, gets all of N(0, σ²C²)); their sum carries exactly the central noise. Every individual upload is
+re-clipped first, whatever client id it names; only a secure-aggregation sum, which the secure round marks
+as such (`summed`), is not (its addends were clipped on their clients; the server cannot clip a sum, so
+under secure aggregation a client that skips clipping is not caught). In the `clients` mode the h
 contributors the server instructed added their shares themselves; a client that drops leaves its share
 out, so the sum would carry less noise than accounted: the server adds the missing (h − r)/h of the variance
 to the sum. The released model then carries the accounted noise, but the server itself decoded a sum with
@@ -49,11 +52,11 @@ def clipped_fraction(updates: list[ClientUpdate]) -> float | None:
 
 def add_central_noise(updates: list[ClientUpdate], settings, round_: int, public: Iterable[str] = (),
                       instructed: Mapping[str, int] | None = None,
-                      received: Mapping[str, int] | None = None) -> list[ClientUpdate]:
-    """`updates` (clipped; the one sum under secure aggregation) whose per-entry sums carry N(0, σ²C²): the
-    server mode draws it here (re-clipping first, so a client that skipped clipping cannot raise the
-    sensitivity); the clients mode adds what dropped contributors left out (`instructed`: h per entry,
-    `received`: r per entry when `updates` is a single sum; else counted from `updates`)."""
+                      received: Mapping[str, int] | None = None, summed: bool = False) -> list[ClientUpdate]:
+    """`updates` (clipped; the one sum under secure aggregation, `summed`) whose per-entry sums carry N(0, σ²C²):
+    the server mode draws it here (re-clipping every individual upload first, so a client that skipped clipping
+    cannot raise the sensitivity); the clients mode adds what dropped contributors left out (`instructed`: h per
+    entry, `received`: r per entry when `updates` is a single sum; else counted from `updates`)."""
     public = set(public)
     sigma, clip = settings.noise_multiplier, settings.clip
     counts = contributors({i: u.vectors for i, u in enumerate(updates)}, public)
@@ -62,7 +65,7 @@ def add_central_noise(updates: list[ClientUpdate], settings, round_: int, public
         out = list(updates)
         for i in sorted(range(len(updates)), key=lambda i: updates[i].client_id):  # noise drawn in client order
             u = updates[i]
-            vectors, _, _ = clip_jointly(u.vectors, clip, skip=public) if u.client_id >= 0 else (u.vectors, 0, 0)
+            vectors = u.vectors if summed else clip_jointly(u.vectors, clip, skip=public)[0]
             stds = {n: share_std(sigma, clip, counts[n]) for n in vectors if n not in public}
             out[i] = dataclasses.replace(u, vectors=add_noise(vectors, stds, generator))
         return out

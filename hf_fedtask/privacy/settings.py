@@ -1,6 +1,7 @@
 """A run's client-level DP options (`RunConfig.dp_*`) resolved into one `PrivacySettings`, and every refusal:
 options given without `dp_clip`, both or neither of σ and a target ε, a strategy that does not declare
-`Capabilities.client_dp` (one line naming it and why), and the strategy's own refusals (`check_private`)."""
+`Capabilities.client_dp` (one line naming it and why), noise drawn by the clients without secure aggregation,
+and the strategy's own refusals (`check_private`)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ DEFAULT_DELTA = 1e-5
 
 @dataclass(frozen=True)
 class PrivacySettings:
-    """Client-level DP of one run: clip C, noise multiplier σ (given, or calibrated to `target_epsilon`), δ,
-    where the noise is drawn, its seed (None: secret), and the sampling the accountant models (`sample` of
-    `population` clients each round, for `rounds` rounds)."""
+    """Client-level DP of one run: clip C, noise multiplier σ (given, or calibrated to `target_epsilon` for a run
+    of `rounds` rounds from the start; a resumed run may recalibrate it, `hf_fedtask.privacy.server`), δ, where
+    the noise is drawn, the seed of the noise and of the client sample (None: secret), and the sampling the
+    accountant models (`sample` of `population` clients each round)."""
 
     clip: float
     noise_multiplier: float
@@ -52,10 +54,22 @@ class PrivacySettings:
 
         return {"clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta,
                 "noise": self.noise, "target_epsilon": self.target_epsilon, "accountant": ACCOUNTANT,
-                "sampling": f"{self.sample} of {self.population} clients per round, without replacement"
-                            + (" (all: no amplification)" if self.sample >= self.population else ""),
+                "sampling": self.sampling(), "secret_sample": self.secret_sample,
                 "noise_seed": "given (reproducible: anyone who knows it can remove the noise)"
                               if self.noise_seed is not None else "secret (os.urandom)"}
+
+    @property
+    def secret_sample(self) -> bool | None:
+        """Whether each round's client sample is secret (drawn from os.urandom); None when every client takes part."""
+        return None if self.sample >= self.population else self.noise_seed is None
+
+    def sampling(self) -> str:
+        """The sampling in words, with where the sample comes from."""
+        if self.sample >= self.population:
+            return f"all {self.population} clients every round (no sampling, no amplification)"
+        source = ("drawn secretly (os.urandom; not from the public run seed)" if self.secret_sample else
+                  "drawn from dp_noise_seed (reproducible: anyone who knows it knows each round's sample)")
+        return f"{self.sample} of {self.population} clients per round, without replacement, {source}"
 
 
 def dp_requested(config) -> bool:
@@ -84,6 +98,10 @@ def resolve_privacy(config, strategy, population: int, sample: int) -> PrivacySe
         raise ConfigError(f"dp_delta: must be in (0, 1), got {config.dp_delta!r}")
     if sample >= population and population == 1:
         raise ConfigError("dp_clip: client-level DP over a single client protects nothing: use more clients")
+    if config.dp_noise == "clients" and not strategy.capabilities.secure_aggregation:
+        raise ConfigError(f"dp_noise: clients needs secure aggregation, which strategy {strategy.name!r} does not use "
+                          "here: without it the server sees each upload with its own share N(0, σ²C²/h) of the "
+                          "noise only; use dp_noise server, or fedyolo with secure_aggregation")
     strategy.check_private(config)
     if target is not None:
         from hf_fedtask.privacy.accountant import calibrate

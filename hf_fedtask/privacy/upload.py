@@ -2,7 +2,10 @@
 strategy's DP form (`private_upload`), every entry but the public ones clipped jointly to L2 norm C, in the
 `clients` noise mode its share of each sum's noise added, and the data-dependent side values replaced: sample
 counts by 1 per task held (the tasks held are the public allocation; aggregation weights are uniform under
-DP) and the training metrics by whether the upload was clipped (train losses stay on the client)."""
+DP) and the training metrics by whether the upload was clipped (train losses stay on the client).
+
+`PrivacyStep` is that step as a client applies it after `client_update`, as Flower's `fixedclipping_mod` follows a
+ClientApp (a secure-aggregation masking step, if any, comes after it)."""
 
 from __future__ import annotations
 
@@ -29,3 +32,14 @@ def private_update(strategy, update: ClientUpdate, job, clip: float, shares: dic
         vectors = add_noise(vectors, stds, noise_generator(noise_seed, CLIENT_STREAM, job.round, job.client_id))
     return dataclasses.replace(update, vectors=vectors, num_samples={t: 1 for t in update.num_samples},
                                metrics={CLIPPED: float(clipped)})
+
+
+class PrivacyStep:
+    """A client's DP step: `private_update` with the run's clip C and noise seed, and the instruction's shares in the
+    clients mode (`SHARES` of its config)."""
+
+    def __init__(self, strategy, clip: float, noise_seed: int | None = None):
+        self.strategy, self.clip, self.noise_seed = strategy, clip, noise_seed
+
+    def __call__(self, update: ClientUpdate, ins, job) -> ClientUpdate:
+        return private_update(self.strategy, update, job, self.clip, ins.config.get(SHARES), self.noise_seed)

@@ -99,7 +99,9 @@ Gram is formed once, when they arrive, and kept for the removal too); with
 l2 = λ_r = 0 plain CG, whose iterates stay in w⁰ + H's range: the minimizer nearest w⁰, where gradient descent
 from w⁰ ends). Training so ends at the objective's optimum, the point the certificate assumes and
 `objective_minimizer` computes centrally, and retraining without a client ends at its own in any order: the
-gradient round then reads stationarity near 0 and the auto damping takes the objective's λ.
+gradient round then reads stationarity near 0 and the auto damping takes the objective's λ. Every CG round
+must hear from exactly the first round's clients (`cg_clients`, kept in the state): a product over other clients
+would belong to another system, so such a round is refused, before it is checkpointed.
 One task per run (the removal acts on the shared model and that task's head).
 """
 
@@ -599,6 +601,33 @@ class F2L2(Strategy, Linearized, ClientRemoval):
                 self._training_inverse = cached = (factors, inverse(stack))
         return lambda r: cached[1](r, lam)
 
+    @staticmethod
+    def check_cg_clients(state: GlobalState, updates: list[ClientUpdate]) -> list[int]:
+        """The clients of linear_solver cg's first round (`cg_clients`, kept in the state's scalars, so they survive
+        a resume), refusing a later round whose replies are not exactly theirs: each CG product must be
+        Σ_k (n_k/n)·H_k·p over the same clients as r₀, or the iterates stop being conjugate gradient of one
+        system (and the clients' factors, with `curvature_rank` > 0, would miss a client's sample count).
+        Raised in `server_aggregate`: the run loop neither checkpoints nor records the round. A checkpoint made before
+        `cg_clients` was kept: the factors' clients where it has them, else this round's."""
+        replied = sorted(u.client_id for u in updates)
+        kept = state.scalars.get("cg_clients", state.scalars.get("factor_clients"))
+        if kept is None:
+            return replied
+        expected = sorted(int(c) for c in kept)
+        missing, extra = sorted(set(expected) - set(replied)), sorted(set(replied) - set(expected))
+        if not missing and not extra:
+            return expected
+
+        def named(ids: list[int]) -> str:
+            return f"client{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}"
+
+        faults = ([f"{named(missing)} did not reply"] if missing else []) + (
+            [f"{named(extra)} replied but took no part in the first round"] if extra else [])
+        raise ProtocolError(f"f2l2 linear_solver cg, round {state.round + 1}: {' and '.join(faults)} (clients of the "
+                            f"first round: {', '.join(map(str, expected))}); conjugate gradient needs every "
+                            f"product over the same clients; round {state.round + 1} is not checkpointed: rerun "
+                            "with --resume once every client of the first round replies")
+
     def conjugate_gradient_step(self, state: GlobalState, updates: list[ClientUpdate],
                                 last_training: bool) -> AggregatedState:
         """linear_solver cg's server side: one iteration of preconditioned CG on ∇F(w) = 0 (`CGIterate`, the
@@ -608,12 +637,14 @@ class F2L2(Strategy, Linearized, ClientRemoval):
         becomes zero and the model stays."""
         from hf_fedtask.model.newton import CGIterate
 
+        first = "cg_iterations" not in state.scalars
+        clients = sorted(u.client_id for u in updates) if first else self.check_cg_clients(state, updates)
         task, n = self._task(state), sum(u.total_samples for u in updates)
         w, w0 = self._model(state), task_point(state.vectors, task)
         lam = self.config.l2 + self.ridge_lambda(state)
-        first = "cg_iterations" not in state.scalars
         factors = self.uploaded_factors(updates, CG_START) if first else {}
-        scalars = {**state.scalars, **(self.factor_scalars(state, updates, CG_START) if first else {})}
+        scalars = {**state.scalars, **(self.factor_scalars(state, updates, CG_START) if first else {}),
+                   "cg_clients": clients}
         precondition = self.training_preconditioner(GlobalState(state.round, {**state.vectors, **factors}, scalars),
                                                     updates, lam)
 

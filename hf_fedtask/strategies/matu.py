@@ -307,6 +307,15 @@ class MaTU(Strategy, CompactExport, ClientPrivacy):
         return new
 
     # -- client-level DP (`hf_fedtask.privacy`) ------------------------------------------------------
+    def check_private(self, config) -> None:
+        """ρ thresholds Eq. 3's vote over each holder's signs, which DP does not release: under DP the mask is 1,
+        what ρ = 0 gives (α ≥ 0 everywhere). A ρ given other than 0 would be accepted and ignored: refused."""
+        rho = config.strategy_options.get("rho")
+        if rho is not None and rho != 0:
+            raise ConfigError(f"rho: {rho} has no effect under client-level DP (Eq. 3's agreement mask is a vote over "
+                              "each holder's signs, which DP does not release; the mask is 1, as rho 0 gives): "
+                              "drop rho or set it to 0")
+
     def private_upload(self, update: ClientUpdate, job: ClientJob) -> ClientUpdate:
         """Under DP a client sends each task's vector as its own unification decodes it, x_n^t = λ_n^t·(m_n^t ⊙ τ_n)
         (what the server would reconstruct), and each head's change, as plain float vectors: the bit masks and
@@ -329,7 +338,7 @@ class MaTU(Strategy, CompactExport, ClientPrivacy):
     def private_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         """Eq. 4 as a plain mean of the holders' (clipped, noised) x_n^t, i.e. a noisy per-task sum over its count,
         then Eqs. 5-7 as post-processing. Eq. 3's agreement mask needs each holder's signs, which DP does not
-        release: m̂^t = 1 (ρ has no effect under DP)."""
+        release: m̂^t = 1, as ρ = 0 gives (another ρ is refused, `check_private`)."""
         same_task, soft_masks = {}, {}
         for task, holders in updates_by_task(updates).items():
             name = matu_task_vector_name(task)

@@ -20,6 +20,7 @@ from hf_fedtask.core.files import write_atomic
 from hf_fedtask.data.reference import shipped_reference
 from hf_fedtask.engine.run import run
 from hf_fedtask.engine.run_folder import METRICS_FILE, RESULTS_FILE
+from hf_fedtask.privacy.report import round_clients
 from hf_fedtask.report import pyplot
 
 INDIVIDUAL = "individual"
@@ -73,7 +74,7 @@ def paper_fedavg_bytes_per_round(results: dict, run_dir: Path) -> float | None:
         return None
     history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     shared_bytes = 4 * results["shared_parameters"]
-    extra = [sum(2 * shared_bytes * (len(allocation[str(c)]) - 1) for c in h["clients"]) for h in history]
+    extra = [sum(2 * shared_bytes * (len(allocation[str(c)]) - 1) for c in round_clients(h)) for h in history]
     ours = [h["bytes_uplink"] + h["bytes_downlink"] for h in history]
     return float(np.mean(ours) + np.mean(extra)) if history else None
 

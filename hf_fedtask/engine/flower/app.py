@@ -6,7 +6,8 @@ validation of uploads and byte accounting are those of the in-process engine.
 
 `client_app` answers each instruction as client `partition-id` of the run. On a SuperNode started with
 a warm worker (`--node-config "... worker='PATH'"`, `hf_fedtask.engine.flower.worker`) it only forwards
-the instruction and the node's state to it; otherwise it answers in its own process
+the instruction and the node's state to it, once the worker proved it holds the key beside its socket
+(`PATH.key`, or `worker-key='KEY'`); otherwise it answers in its own process
 (`hf_fedtask.engine.flower.handler`). This module imports no torch: Flower starts a ClientApp process
 per message, and one that forwards should cost no more than Flower itself. The ClientApp raises on
 failure, so Flower returns an error reply that the server records as that client's failure.
@@ -24,7 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 from hf_fedtask.engine.flower.discovery import discovery_reply, partition_id
 from hf_fedtask.engine.flower.node import keep_store, node_secret, store_bytes
 from hf_fedtask.engine.flower.records import MESSAGE_TYPES, read_instruction, reply_content
-from hf_fedtask.engine.flower.worker import ClientRequest, ClientResult, forward, worker_address
+from hf_fedtask.engine.flower.worker import ClientRequest, ClientResult, forward, worker_address, worker_key_file
 from hf_fedtask.errors import ProtocolError
 
 server_app = ServerApp()
@@ -54,7 +55,10 @@ def answer(message: Message, context: Context) -> Message:
         raise ProtocolError(f"{source}: a {ins.kind} instruction arrived as a {message.metadata.message_type} message")
     request = ClientRequest(dict(context.run_config), client, node_secret(context), ins, store_bytes(context))
     address = worker_address(context.node_config)
-    result = forward(address, request) if address else _handle_here(request)
+    if address:  # only once the worker proved it holds its key (PATH.key, or worker-key='KEY')
+        result = forward(address, request, worker_key_file(context.node_config, address))
+    else:
+        result = _handle_here(request)
     keep_store(context, result.store)
     return Message(reply_content(result.reply), reply_to=message)
 

@@ -2,8 +2,11 @@
 
 In deployment every message starts a new ClientApp process, so nothing may live in module globals:
 the client's private store (`ClientStore`) is kept as safetensors bytes and its secure-aggregation
-secret (32 random bytes, drawn on the node's first message and never sent) as a ConfigRecord value.
-Both stay on the node; the store is written back only after a message was handled successfully.
+secret (32 random bytes, drawn on the node's first message) as a ConfigRecord value. Neither is sent to
+the server. With a warm worker (`hf_fedtask.engine.flower.worker`) both go with each message over the
+node's local Unix socket to that worker, only after it proved it holds the worker's key (a 0600 file of
+this user's, beside the socket by default); they never leave the machine. The store is written back only
+after a message was handled successfully.
 This module reads and writes the bytes only (no torch), so the ClientApp process that forwards a
 message to a warm worker (`hf_fedtask.engine.flower.worker`) stays light.
 """
