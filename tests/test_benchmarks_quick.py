@@ -37,6 +37,8 @@ SCRIPTS = {
     "linearize_bench.py": ([rf"^RATIO linearized/normal \(sdpa\) step time +: {NUMBER} ",
                             rf"^RATIO linearized/normal-eager step time +: {NUMBER} "], True),
     "mixed_precision.py": ([rf"^RATIO bf16 fp32_time/bf16_time = {NUMBER} "], True),
+    "dp_noise_bench.py": ([rf"^RATIO chacha20/torch_randn time \({n} floats\) = {NUMBER}$" for n in (100000, 1000000)],
+                          False),
     "memory_clients.py": ([rf"^RATIO {s} peak\(100\)/peak\(4\) = {NUMBER} .*\[per-client state {NUMBER} MiB x "
                            rf"(\d+) copies vs x (\d+)\]$" for s in ("fedavg", "matfl", "fedper")], True),
 }

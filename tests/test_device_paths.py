@@ -104,18 +104,6 @@ def test_pack_rows_is_numpys_packbits(width):
         assert torch.equal(unpack_bits(row, width), bits)
 
 
-def test_a_padded_head_stays_on_its_device():
-    from hf_fedtask.export.multi_adapter import PAD_BIAS, pad_head
-
-    state = TaskVector({"classifier.weight": torch.empty(2, 4, device="meta"),
-                        "classifier.bias": torch.empty(2, device="meta")})
-    padded = pad_head(state, ["classifier.weight", "classifier.bias"], 5)
-    _assert_on(padded, "meta")
-    assert padded["classifier.weight"].shape == (5, 4) and padded["classifier.bias"].shape == (5,)
-    cpu = pad_head(TaskVector({"classifier.bias": torch.zeros(2)}), ["classifier.bias"], 3)["classifier.bias"]
-    assert cpu.tolist() == [0.0, 0.0, PAD_BIAS]
-
-
 @pytest.mark.parametrize("mode", ["network", "lora_layers"])
 def test_the_linearization_point_follows_the_parameters(tiny_bert_dir, mode):
     """`LinearizedModel.to(...)` (here `.double()`, a conversion like a device move) converts θ_lin

@@ -124,8 +124,11 @@ def test_the_worker_process_serves_and_stops_on_sigterm_removing_its_socket(tmp_
         conn = _authenticated(str(path), f"{path}.key", 30, "a malformed request")
         with conn:  # once crashed the worker process with a TypeError
             conn.send_bytes(json.dumps({**header(), "round": None}).encode())
-            conn.send_bytes(b"")
-            conn.send_bytes(b"")
+            try:
+                conn.send_bytes(b"")
+                conn.send_bytes(b"")
+            except BrokenPipeError:
+                pass  # the worker refused on the header alone and closed; its reply is still to read
             assert json.loads(conn.recv_bytes(1 << 20)) == {
                 "ok": False, "error": "the request header's 'round' is null, expected an int >= 0"}
         request = ClientRequest({"config": "{}"}, 0, b"\0" * 32, Instruction("train", 1, 0, b""))

@@ -215,7 +215,7 @@ def test_noise_before_the_handshake_is_dropped_unanswered(served):
 
 
 def test_a_stalled_connection_neither_blocks_another_client_nor_lives_past_the_timeout(served):
-    worker = served(request_timeout=1.0)
+    worker = served(request_timeout=2.0)
     silent = _authenticated(worker.path, worker.path + ".key", 5, "nothing")  # authenticated, then sends nothing
     half = _authenticated(worker.path, worker.path + ".key", 5, "half a frame")
     os.write(half.fileno(), struct.pack("!i", 1000) + b"{\"run")  # half a header, then stalls
@@ -223,10 +223,10 @@ def test_a_stalled_connection_neither_blocks_another_client_nor_lives_past_the_t
     unauthenticated.connect(worker.path)  # never answers the challenge
     start = time.monotonic()
     worker.assert_serves()
-    assert time.monotonic() - start < 0.9  # answered before any stalled connection timed out
+    assert time.monotonic() - start < 1.5  # answered before any stalled connection timed out
     for conn in (silent, half):
-        assert conn.poll(3)
-        assert json.loads(conn.recv_bytes()) == {"ok": False, "error": "no complete request within 1 s"}
+        assert conn.poll(4)
+        assert json.loads(conn.recv_bytes()) == {"ok": False, "error": "no complete request within 2 s"}
         conn.recv_bytes(), conn.recv_bytes()
         with pytest.raises(EOFError):
             conn.recv_bytes()  # closed
@@ -237,10 +237,10 @@ def test_a_stalled_connection_neither_blocks_another_client_nor_lives_past_the_t
         received += chunk
     assert received.startswith(b"\0\0\0") and b"#CHALLENGE#" in received
     unauthenticated.close()
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 6
     log = worker.log.getvalue()
-    assert log.count("refused a request: no complete request within 1 s; closed the connection") == 2
-    assert "refused a connection that failed the handshake (no handshake within 1 s)" in log
+    assert log.count("refused a request: no complete request within 2 s; closed the connection") == 2
+    assert "refused a connection that failed the handshake (no handshake within 2 s)" in log
 
 
 def test_the_handling_itself_is_not_timed_and_runs_one_request_at_a_time(served):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.metrics import compute, module_path
@@ -13,17 +16,33 @@ from hf_fedtask.model.device import to_device
 from hf_fedtask.model.host import PeftHost
 
 
+PROGRESS_DELAY = 2.0
+"""Seconds a scoring pass with a progress bar runs before the bar appears (tqdm's `delay`): quick ones stay
+quiet, and anything slower (a causal LM, a large split) shows its progress, as training does."""
+
+
 @torch.no_grad()
-def _predict_with(model, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray:
-    """`model`'s label for each example of `data` (the classifier's argmax, or a causal LM's choice of
-    highest log-likelihood: `host.inputs.predict_batch`), batches moved to the model's device and run
-    in the training's precision; the predictions come back to the CPU."""
+def predict_batches(model, inputs, data: Dataset, batch_size: int, device, *, autocast=contextlib.nullcontext,
+                    progress: str | None = None) -> np.ndarray:
+    """`model`'s label for each example of prepared `data` (the classifier's argmax, or a causal LM's choice
+    of highest log-likelihood: `inputs.predict_batch`), batches moved to `device` and run under
+    `autocast()`; the predictions come back to the CPU. `progress`: the description of a tqdm bar over the
+    examples on stderr (shown after PROGRESS_DELAY seconds), or None for none."""
     model.eval()
-    device = host.device
-    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.eval_collator)
-    with host.autocast():
-        preds = [host.inputs.predict_batch(model, to_device(batch, device)).cpu() for batch in loader]
-    return torch.cat(preds).numpy()
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=inputs.eval_collator)
+    bar = tqdm(total=len(data), desc=progress, unit="ex", delay=PROGRESS_DELAY, dynamic_ncols=True,
+               disable=progress is None)
+    preds = []
+    with autocast(), bar:
+        for batch in loader:
+            preds.append(inputs.predict_batch(model, to_device(batch, device)).cpu())
+            bar.update(len(preds[-1]))
+    return torch.cat(preds).numpy() if preds else np.zeros(0, dtype=np.int64)
+
+
+def _predict_with(model, host: PeftHost, data: Dataset, batch_size: int) -> np.ndarray:
+    """`predict_batches` on the host model's device, in the training's precision."""
+    return predict_batches(model, host.inputs, data, batch_size, host.device, autocast=host.autocast)
 
 
 def predict(host: PeftHost, state: TaskVector, data: Dataset, batch_size: int = 128,

@@ -4,6 +4,8 @@ writes, so stock `PeftModel.from_pretrained` loads it and it can be pushed to th
 import copy
 import json
 import os
+import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,6 +41,16 @@ the folder's root: a root `config.json` makes transformers treat the folder as a
 look for base weights there."""
 
 
+METADATA_FILE = "hf_fedtask.json"
+"""What an exported adapter was trained and scored on, so `hf-fedtask evaluate` and `merge` can check a task
+against it and reproduce the run's numbers: the task (name, the reference it was loaded by, label names),
+the input kind (text, image, causal_lm), the run's max_length and data seed, and the test subset its card's
+metric was computed on. Transformers and PEFT ignore it (as they ignore mergekit's `mergekit_config.yml`)."""
+METADATA_FORMAT = "hf_fedtask.adapter"
+
+_GENERIC_LABEL = re.compile(r"LABEL_\d+")  # transformers' placeholder id2label: names nothing
+
+
 def classifier_config_for(base_config, label_names: list[str], base_model_id: str):
     """A copy of the classifier's transformers config carrying `label_names` (id2label, label2id,
     num_labels) and the base's Hub id instead of any local path."""
@@ -50,7 +62,7 @@ def classifier_config_for(base_config, label_names: list[str], base_model_id: st
 
 
 def _write_files(folder: Path, peft_config: PeftConfig, state_dict, base_model_id: str, card,
-                 classifier_config=None, processor=None) -> None:
+                 classifier_config=None, processor=None, metadata=None) -> None:
     config = copy.deepcopy(peft_config)
     config.base_model_name_or_path = base_model_id
     config.inference_mode = True  # what PeftModel.save_pretrained records
@@ -62,6 +74,8 @@ def _write_files(folder: Path, peft_config: PeftConfig, state_dict, base_model_i
         processor.save_pretrained(str(folder))
     if card is not None:
         (folder / "README.md").write_text(str(card), encoding="utf-8")
+    if metadata is not None:
+        write_metadata(folder, metadata)
 
 
 def save_adapter(
@@ -73,10 +87,12 @@ def save_adapter(
     card: str | ModelCard | None = None,
     classifier_config=None,
     processor=None,
+    metadata: Mapping | None = None,
 ) -> Path:
     """Write `adapter_config.json`, `adapter_model.safetensors` and, when given, `README.md` (`card`),
-    `classifier/config.json` (`classifier_config`: label names, see `classifier_config_for`) and the
-    tokenizer or image processor files (`processor`) to `out_dir`, and return it.
+    `classifier/config.json` (`classifier_config`: label names, see `classifier_config_for`), the
+    tokenizer or image processor files (`processor`) and `hf_fedtask.json` (`metadata`, see
+    METADATA_FILE) to `out_dir`, and return it.
 
     `state_dict` uses PEFT's saved key names, i.e. what `peft.get_peft_model_state_dict` returns
     (classification head included). `base_model_id` becomes `base_model_name_or_path` and must be a
@@ -85,8 +101,67 @@ def save_adapter(
     """
     check_portable_base_model_id(base_model_id)
     with staged_folder(Path(out_dir)) as staging:
-        _write_files(staging, peft_config, state_dict, base_model_id, card, classifier_config, processor)
+        _write_files(staging, peft_config, state_dict, base_model_id, card, classifier_config, processor, metadata)
     return Path(out_dir).absolute()
+
+
+def write_metadata(folder: str | os.PathLike, metadata: Mapping) -> None:
+    """Write `metadata` as the folder's METADATA_FILE, marked with its format."""
+    body = {"format": METADATA_FORMAT, **metadata}
+    (Path(folder) / METADATA_FILE).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+
+
+def read_metadata(folder: str | os.PathLike) -> dict:
+    """An adapter folder's METADATA_FILE ({} when it has none, e.g. an adapter made elsewhere); a file
+    that is not this format's JSON object is one ConfigError naming it."""
+    path = Path(folder) / METADATA_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(data, dict) or data.get("format") != METADATA_FORMAT:
+        raise ConfigError(f"{path}: not an {METADATA_FORMAT} metadata file")
+    return data
+
+
+def adapter_label_names(folder: str | os.PathLike) -> list[str] | None:
+    """The label names an adapter folder records, in label-id order: its `classifier/config.json`'s
+    id2label (what transformers' pipelines answer), else its METADATA_FILE's `label_names` (a causal
+    LM's answer words); None when it records none, or only transformers' placeholders LABEL_0, ...
+    The JSON is read directly: no transformers import."""
+    path = Path(folder) / CLASSIFIER_SUBFOLDER / "config.json"
+    if path.is_file():
+        try:
+            id2label = json.loads(path.read_text(encoding="utf-8")).get("id2label") or {}
+            names = [id2label[str(i)] for i in range(len(id2label))]
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{path}: no readable id2label ({' '.join(str(exc).split())})") from None
+        if names and not all(_GENERIC_LABEL.fullmatch(str(n)) for n in names):
+            return [str(n) for n in names]
+    names = read_metadata(folder).get("label_names")
+    return [str(n) for n in names] if isinstance(names, list) and names else None
+
+
+_ADAPTER_OWN_FILES = {CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, "README.md", METADATA_FILE}
+
+
+def copy_loading_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+    """Copy what an exported adapter folder carries besides its adapter (the tokenizer or image processor
+    files, a chat template, `classifier/config.json`) from `source` to `target`, so `target` loads by the
+    same route (`AutoConfig.from_pretrained(target, subfolder="classifier")`, `pipeline(..., tokenizer=
+    target)`); returns the names copied."""
+    source, target = Path(source), Path(target)
+    copied = []
+    for item in sorted(source.iterdir()):
+        if item.is_file() and item.name not in _ADAPTER_OWN_FILES:
+            shutil.copy2(item, target / item.name)
+            copied.append(item.name)
+        elif item.is_dir() and item.name == CLASSIFIER_SUBFOLDER:
+            shutil.copytree(item, target / item.name, dirs_exist_ok=True)
+            copied.append(item.name)
+    return copied
 
 
 # -- reading adapter folders back (evaluate, push, merge, load_task_adapter share these checks) --------------

@@ -13,7 +13,7 @@ from hf_fedtask.export.adapter import classifier_config_for, save_adapter
 from hf_fedtask.export.compact import save_compact
 from hf_fedtask.export.hub import render_model_card
 from hf_fedtask.export.linearized import save_linearized
-from hf_fedtask.export.multi_adapter import PAD_BIAS, save_multi_adapter
+from hf_fedtask.export.multi_adapter import save_multi_adapter
 from hf_fedtask.export.tct import save_tct
 
 if TYPE_CHECKING:
@@ -67,6 +67,35 @@ class RunExport:
         """`params` as `task`'s own classifier (`OutputSpace.task_view`)."""
         return params if self.output_space is None else self.output_space.task_view(params, task, self.head_keys)
 
+    def task_source(self, task: str) -> str:
+        """What `load_task` loads `task` by: the run's `tasks` entry for it (a local path made absolute, so
+        it resolves from anywhere), else its name (a builtin suite's task)."""
+        refs = list(self.config.tasks or ())
+        names = [t.name for t in self.tasks]
+        if len(refs) != len(names) or task not in names:
+            return task
+        ref = str(refs[names.index(task)])
+        return str(Path(ref).resolve()) if Path(ref).exists() else ref
+
+    def labelled_config(self, task: Task):
+        """The classifier's transformers config naming `task`'s labels (None for a causal LM)."""
+        if self.classifier_config is None or self.causal_lm:
+            return None
+        return classifier_config_for(self.classifier_config, task.label_names, self.base_model_id)
+
+    def metadata(self, task: Task, results: dict, metric: dict) -> dict:
+        """The adapter folder's `hf_fedtask.json` (`hf_fedtask.export.adapter.METADATA_FILE`): what `task`'s
+        adapter was trained and scored on (`metric`: {name: value} of this adapter)."""
+        c = self.config
+        return {
+            "task": task.name, "task_source": self.task_source(task.name), "label_names": list(task.label_names),
+            "modality": self.card_modality(task), "base_model": self.base_model_id,
+            "base_model_revision": results.get("base_model_revision"), "max_length": c.max_length,
+            "data": {"seed": c.seed, "builtin_train_size": c.builtin_train_size},
+            "evaluation": {"split": "test", "max_test_samples": c.max_test_samples,
+                           "num_examples": results["tasks"][task.name].get("num_examples"), **metric},
+        }
+
 
 def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir: Path) -> Path | None:
     # call under the run folder's lock (`hf_fedtask.core.files.folder_lock`): it clears stale staging folders
@@ -104,16 +133,15 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
             "extra_notes": " ".join(filter(None, [
                 (f"Inputs are tokenized with truncation to {spec.config.max_length} tokens." if task.modality == "text"
                  else "Images are converted to RGB, then prepared by the base model's image processor."),
+                subset_note(spec.config, results["tasks"][task.name]),
                 unlearning_note(results), linearization_note(results, task.name),
                 spec.output_space.describe(task.name) if spec.output_space else None])),
         }
         cards[task.name] = render_model_card(info)
         params = spec.task_view(spec.strategy.task_parameters(state, task.name, spec.stores), task.name)
-        labelled = (classifier_config_for(spec.classifier_config, task.label_names, spec.base_model_id)
-                    if spec.classifier_config is not None and not spec.causal_lm else None)
         save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
-                     base_model_id=spec.base_model_id, card=cards[task.name], classifier_config=labelled,
-                     processor=spec.processor)
+                     base_model_id=spec.base_model_id, card=cards[task.name], classifier_config=spec.labelled_config(task),
+                     processor=spec.processor, metadata=spec.metadata(task, results, metrics[task.name]))
         point = spec.strategy.linearization_point(state, task.name) if "linearized" in exports else None
         if point is not None:  # None: a phase without one (nothing linearized to export yet)
             point = spec.task_view(point, task.name)
@@ -133,11 +161,14 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                          info={"task": task.name, "label_names": task.label_names,
                                "metrics": {task.metric: r[task.metric]}})
     if "multi_adapter" in exports:
-        save_multi_adapter(run_dir / MULTI_ADAPTER_DIR, peft_config=peft_config, head_keys=spec.head_keys,
+        save_multi_adapter(run_dir / MULTI_ADAPTER_DIR, peft_config=peft_config,
                            task_states={t.name: spec.task_view(spec.strategy.task_parameters(state, t.name), t.name)
                                         for t in spec.tasks},
                            label_names={t.name: t.label_names for t in spec.tasks}, base_model_id=spec.base_model_id,
-                           card=str(_multi_adapter_card(spec, results, metrics)))
+                           card=str(_multi_adapter_card(spec, results, metrics)),
+                           classifier_configs={t.name: spec.labelled_config(t) for t in spec.tasks},
+                           processor=spec.processor,
+                           metadata={t.name: spec.metadata(t, results, metrics[t.name]) for t in spec.tasks})
     if "compact" not in exports:
         return None
     return save_compact(
@@ -151,6 +182,15 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         card=_compact_card(spec, results),
         overwrite=True,
     )
+
+
+def subset_note(config: RunConfig, result: dict) -> str | None:
+    """The card's account of a capped test split (`max_test_samples`): the metric is of a seeded subset."""
+    if not config.max_test_samples:
+        return None
+    return (f"The test {result['metric']} is of a seeded subset of {result.get('num_examples', '?')} test examples "
+            f"(max_test_samples={config.max_test_samples}, seed {config.seed}), not the whole test split; "
+            "`hf-fedtask evaluate` scores the same subset by default (`--max-test-samples all`: the whole split).")
 
 
 def unlearning_note(results: dict) -> str | None:
@@ -191,16 +231,26 @@ def linearization_note(results: dict, task: str) -> str | None:
 
 
 def _multi_adapter_card(spec: RunExport, results: dict, metrics: dict) -> str:
-    first = spec.tasks[0].name
-    width = max(t.num_labels for t in spec.tasks)
-    snippet = (f"```python\nmodel = PeftModel.from_pretrained(base, \"<this folder>\", adapter_name=\"{first}\")  "
-               f"# base with num_labels={width}\n"
-               "model.load_adapter(\"<this folder>/<task>\", adapter_name=\"<task>\")\n"
-               "model.set_adapter(\"<task>\")\n```")
+    first = spec.tasks[0]
+    same = [t.name for t in spec.tasks[1:] if t.num_labels == first.num_labels]
+    other = next((t for t in spec.tasks if t.num_labels != first.num_labels), None)
+    auto = "AutoModelForImageClassification" if first.modality == "image" else "AutoModelForSequenceClassification"
+    snippet = (f"```python\nbase = {auto}.from_pretrained(\"{spec.base_model_id}\", "
+               f"num_labels={first.num_labels})\n"
+               f"model = PeftModel.from_pretrained(base, \"<this folder>\", adapter_name=\"{first.name}\")\n"
+               f"model.load_adapter(\"<this folder>/{same[0] if same else '<task>'}\", "
+               f"adapter_name=\"{same[0] if same else '<task>'}\")  # a task with {first.num_labels} labels\n"
+               f"model.set_adapter(\"{same[0] if same else '<task>'}\")\n```")
+    sizes = ("" if other is None else
+             f" A task with another number of labels (e.g. `{other.name}`, {other.num_labels}) loads onto its own "
+             f"base, like any exported adapter: `{auto}.from_pretrained(\"<this folder>/"
+             f"{other.name}\", config=AutoConfig.from_pretrained(\"<this folder>/{other.name}\", "
+             "subfolder=\"classifier\"))`: PEFT copies the base's one classifier for every adapter it holds, so "
+             "adapters whose heads differ in size cannot share a model.")
     info = {
         "base_model": spec.base_model_id,
         "task": [t.name for t in spec.tasks],
-        "num_labels": width,
+        "num_labels": max(t.num_labels for t in spec.tasks),  # the summary's "into N classes": at most N
         "strategy": spec.strategy.name,
         "strategy_paper": spec.strategy.paper,
         "peft_method": spec.config.peft_method,
@@ -212,11 +262,11 @@ def _multi_adapter_card(spec: RunExport, results: dict, metrics: dict) -> str:
         **({"privacy": results["privacy"]} if "privacy" in results else {}),
         "bytes_communicated": results["bytes_uplink"] + results["bytes_downlink"],
         "modality": spec.card_modality(spec.tasks[0]),
-        "extra_notes": (f"**One adapter per task** (PEFT multi-adapter layout): `{first}` at the root, every other "
-                        f"task in its subfolder, `tasks.json` lists them with their label names. Sharing variant: "
-                        f"`{spec.strategy.config.share}`. Load and switch:\n\n{snippet}\n\n"
-                        f"Heads are padded to {width} classes (padding rows: zero weights, bias {PAD_BIAS:g}); a "
-                        "task's own classes are its first `num_labels` logits."),
+        "extra_notes": (f"**One adapter per task** (PEFT multi-adapter layout): `{first.name}` at the root, every "
+                        "other task in its subfolder, `tasks.json` lists them with their number of labels and label "
+                        f"names. Sharing variant: `{spec.strategy.config.share}`. Each task's head has its task's own "
+                        "number of labels, and each folder carries its tokenizer (or image processor) and "
+                        f"`classifier/config.json`. Load and switch:\n\n{snippet}\n\n{sizes}".rstrip()),
     }
     return render_model_card(info)
 

@@ -2,16 +2,17 @@
 writes for a model with several named adapters): the first task's adapter at the root, every other
 task's in a subfolder named after it, and a `tasks.json` index. Stock PEFT loads it:
 
-    base = AutoModelForSequenceClassification.from_pretrained(base_id, num_labels=<index num_labels>)
+    base = AutoModelForSequenceClassification.from_pretrained(base_id, num_labels=<the task's num_labels>)
     model = PeftModel.from_pretrained(base, folder, adapter_name=first_task)
-    model.load_adapter(f"{folder}/{task}", adapter_name=task)
+    model.load_adapter(f"{folder}/{task}", adapter_name=task)  # a task with as many labels
     model.set_adapter(task)                                    # now `task`'s model
 
-One base model, one head per adapter: PEFT copies the base classifier for every adapter, so all
-heads must share one shape. Heads of tasks with fewer classes are padded to the largest class count
-with zero weights and a bias of PAD_BIAS: the padded logits never win an argmax and get ~0
-probability, and the first `num_labels` logits are the task's own (`tasks.json` has each task's
-num_labels and label names).
+Every task's head has its task's own number of labels, so a reloaded task answers with exactly its
+own logits. PEFT copies the base's one classifier for every adapter a model holds
+(`ModulesToSaveWrapper`), so tasks switch within one model only among heads of one size; a task of
+another size loads onto its own base. Each folder (the root for the first task) also carries the
+tokenizer or image processor, `classifier/config.json` (label names) and `hf_fedtask.json`, so it loads
+by the route every exported adapter does (`AutoConfig.from_pretrained(folder, subfolder="classifier")`).
 """
 
 from __future__ import annotations
@@ -21,30 +22,14 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
 from peft import PeftConfig
 
 from hf_fedtask.core.files import staged_folder
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.export.adapter import save_adapter
+from hf_fedtask.export.adapter import CLASSIFIER_SUBFOLDER, save_adapter
 
 INDEX_FILE = "tasks.json"
-PAD_BIAS = -1.0e4
-
-
-def pad_head(state: TaskVector, head_keys: list[str], num_labels: int) -> TaskVector:
-    """`state` with its head rows padded to `num_labels` (weights 0, bias PAD_BIAS)."""
-    out = dict(state)
-    for key in head_keys:
-        t = state[key]
-        extra = num_labels - t.shape[0]
-        if extra < 0:
-            raise ConfigError(f"head {key!r} has {t.shape[0]} rows, more than {num_labels}")
-        fill = torch.full((extra, *t.shape[1:]), PAD_BIAS if key.endswith("bias") else 0.0, dtype=t.dtype,
-                          device=t.device)
-        out[key] = torch.cat([t, fill])
-    return TaskVector(out)
 
 
 def save_multi_adapter(
@@ -52,23 +37,30 @@ def save_multi_adapter(
     *,
     peft_config: PeftConfig,
     task_states: Mapping[str, TaskVector],
-    head_keys: list[str],
     label_names: Mapping[str, list[str]],
     base_model_id: str,
     card: str | None = None,
+    classifier_configs: Mapping[str, object] | None = None,
+    processor=None,
+    metadata: Mapping[str, Mapping] | None = None,
 ) -> Path:
-    """Write every task's adapter (`task_states`: PEFT saved naming, head included) into `folder`,
-    atomically; the first task's goes to the root."""
+    """Write every task's adapter (`task_states`: PEFT saved naming, its own head included) into `folder`,
+    atomically; the first task's goes to the root. `classifier_configs`, `processor` and `metadata` are
+    `save_adapter`'s, per task (the processor is the same for all)."""
     tasks = list(task_states)
     if not tasks:
         raise ConfigError("save_multi_adapter: no tasks")
-    width = max(len(names) for names in label_names.values())
-    index = {"num_labels": width, "first": tasks[0], "tasks": {}}
+    for task in tasks:
+        if task in (CLASSIFIER_SUBFOLDER, INDEX_FILE):
+            raise ConfigError(f"save_multi_adapter: task name {task!r} is a name the folder uses itself")
+    index = {"first": tasks[0], "tasks": {}}
     out = Path(folder).absolute()
     with staged_folder(out) as staging:
         for i, task in enumerate(tasks):
             save_adapter(staging / task, peft_config=peft_config, base_model_id=base_model_id,
-                         state_dict=pad_head(task_states[task], head_keys, width))
+                         state_dict=task_states[task], processor=processor,
+                         classifier_config=(classifier_configs or {}).get(task),
+                         metadata=(metadata or {}).get(task))
             if i == 0:  # the first adapter lives at the root, as PeftModel.save_pretrained puts "default"
                 for file in (staging / task).iterdir():
                     os.replace(file, staging / file.name)

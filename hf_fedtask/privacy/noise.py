@@ -54,7 +54,7 @@ class NoiseGenerator:
         self._encryptor = None
         self._spare: np.ndarray = np.empty(0)  # a Box–Muller pair's unused second half
 
-    def _words(self, n: int) -> np.ndarray:
+    def words(self, n: int) -> np.ndarray:
         """The next `n` keystream words as uint64."""
         parts = []
         while n > 0:
@@ -71,23 +71,25 @@ class NoiseGenerator:
 
     def uniform(self, n: int) -> np.ndarray:
         """`n` floats uniform on [0, 1), each the top 53 bits of a word (float64's whole mantissa)."""
-        return (self._words(n) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return (self.words(n) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
     def standard_normal(self, n: int) -> np.ndarray:
-        """`n` independent N(0, 1) as float64, by Box–Muller: √(−2 ln u₁)·(cos 2πu₂, sin 2πu₂), u₁ in (0, 1]."""
+        """The next `n` N(0, 1) of the stream as float64, by Box–Muller: each pair of uniforms (u₁, u₂) gives
+        √(−2 ln(1 − u₁))·(cos 2πu₂, sin 2πu₂), in that order, so the stream does not depend on how it is read."""
         out = np.empty(n)
         have = min(n, self._spare.size)
         out[:have], self._spare = self._spare[:have], self._spare[have:]
         while have < n:
             pairs = min(CHUNK, (n - have + 1) // 2)
-            u = self.uniform(2 * pairs)
-            radius = np.sqrt(-2.0 * np.log1p(-u[:pairs]))  # 1 − u₁ in (0, 1]: the log is finite
-            angle = np.multiply(u[pairs:], _TWO_PI, out=u[pairs:])
-            np.multiply(radius, np.cos(angle), out=out[have:have + pairs])  # pairs <= n - have: all used
-            have += pairs
-            second = radius * np.sin(angle)
-            take = min(pairs, n - have)
-            out[have:have + take], self._spare = second[:take], second[take:].copy()
+            u = self.uniform(2 * pairs).reshape(pairs, 2)
+            radius = np.sqrt(-2.0 * np.log1p(-u[:, 0]))  # 1 − u₁ in (0, 1]: the log is finite
+            angle = _TWO_PI * u[:, 1]
+            block = np.empty((pairs, 2))
+            np.multiply(radius, np.cos(angle), out=block[:, 0])
+            np.multiply(radius, np.sin(angle), out=block[:, 1])
+            block = block.reshape(-1)
+            take = min(block.size, n - have)
+            out[have:have + take], self._spare = block[:take], block[take:].copy()
             have += take
         return out
 
@@ -97,7 +99,7 @@ class NoiseGenerator:
             raise ValueError(f"bound must be positive, got {bound}")
         limit = (1 << 64) - (1 << 64) % bound
         while True:
-            word = int(self._words(1)[0])
+            word = int(self.words(1)[0])
             if word < limit:
                 return word % bound
 

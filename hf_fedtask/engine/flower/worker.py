@@ -340,6 +340,7 @@ class Worker:
             if not value > 0:
                 raise WorkerError(f"worker {self.address}: {name} {value!r} must be positive")
         self.request_timeout, self.max_header, self.max_frame = request_timeout, max_header, max_frame
+        self.max_connections = max_connections
         self.listener: socket.socket | None = None
         self.served = 0
         self._key = b""
@@ -369,7 +370,7 @@ class Worker:
         umask = os.umask(0o177)  # the socket file is created 0600: only this user may connect
         try:
             sock.bind(self.address)
-            sock.listen(MAX_CONNECTIONS)
+            sock.listen(self.max_connections)
         except OSError as e:
             sock.close()
             self._remove_key()
@@ -454,7 +455,7 @@ class Worker:
                 time.sleep(0.1)
                 continue
             if not self._slots.acquire(blocking=False):
-                _log(log, f"refused a connection: {MAX_CONNECTIONS} connections are open already")
+                _log(log, f"refused a connection: {self.max_connections} connections are open already")
                 sock.close()
                 continue
             threading.Thread(target=self._connection, args=(sock, handle, log), daemon=True,
