@@ -7,7 +7,9 @@ what it needs inside its function, so `--help` is quick (`tests/test_cli_startup
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -18,15 +20,46 @@ from hf_fedtask.strategies.configs import GRADIENT_FORMS, HESSIANS
 
 
 def _run(args) -> int:
+    from hf_fedtask.engine.preflight import preflight
+
+    config = config_from_args(args)
+    # what needs no model, data or torch is refused before the engine's imports (seconds): a typo answers at once
+    preflight(config, resume=args.resume, overwrite=args.overwrite)
+    from hf_fedtask.engine.announce import announce_start, end_lines
     from hf_fedtask.engine.run import run
     from hf_fedtask.model.device import launch
     from hf_fedtask.report import run_report
 
-    config = config_from_args(args)
-    results = run(config, resume=args.resume, overwrite=args.overwrite)
+    threads = _set_threads(args.threads)
+    results = run(config, resume=args.resume, overwrite=args.overwrite,
+                  on_start=lambda env, server: print(announce_start(env, server, threads), flush=True))
     if launch().rank == 0:  # under a multi-process launch the other ranks only trained
-        print(run_report(config, results))
+        print("\n".join([run_report(config, results), *end_lines(results)]))
     return 0
+
+
+def _set_threads(requested: int | None) -> str:
+    """torch's CPU threads as the recipes set them (`hf_fedtask.workflows.recipe.set_threads`: --threads,
+    else OMP_NUM_THREADS, else every core this process may use), and where the number came from."""
+    from hf_fedtask.workflows.recipe import set_threads
+
+    return set_threads(requested)
+
+
+def _threads(value: str) -> int:
+    """`--threads`: a count of at least 1 (argparse's one-line error otherwise, before torch is imported)."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of threads >= 1, got {value!r}")
+    return count
+
+
+THREADS_HELP = ("torch CPU threads of this process (default: OMP_NUM_THREADS when set, else every core this process "
+                "may use, shared among a launch's processes on this machine, as the recipes do); on a busy machine "
+                "fewer threads, even 1, can be several times faster")
 
 
 def _flower_run(args) -> int:
@@ -166,10 +199,14 @@ def _unlearn_mode(args) -> _UnlearnMode:
 
 
 def _unlearn(args) -> int:
+    from hf_fedtask.engine.preflight import check_finished_run
+
+    mode = _unlearn_mode(args)  # flags and the run folder are checked before the engine's imports (seconds)
+    check_finished_run(args.run_dir)
     from hf_fedtask.report import unlearning_report
     from hf_fedtask.workflows import unlearn as workflows
 
-    mode = _unlearn_mode(args)
+    _set_threads(args.threads)
     targets = {flag.removeprefix("--"): _flag_value(args, flag) for flag in mode.targets}
     options = {keyword: _flag_value(args, flag) for flag, keyword in mode.flags.items() if _given(args, flag)}
     results = getattr(workflows, mode.workflow)(args.run_dir, **targets, **mode.fixed, **options,
@@ -186,6 +223,9 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
+    from hf_fedtask.engine.preflight import check_finished_run
+
+    check_finished_run(args.run_dir, results=True)  # before the engine's imports (seconds)
     from hf_fedtask.workflows.export_run import export_run
 
     for path in export_run(args.run_dir):
@@ -196,8 +236,23 @@ def _export(args) -> int:
 def _evaluate(args) -> int:
     from hf_fedtask.export.standalone import evaluate_adapter
 
-    print(json.dumps(evaluate_adapter(args.adapter_dir, args.task, split=args.split, max_length=args.max_length)))
+    print(json.dumps(evaluate_adapter(args.adapter_dir, args.task, split=args.split, max_length=args.max_length,
+                                      max_test_samples=args.max_test_samples, base_model=args.base_model,
+                                      batch_size=args.batch_size)))
     return 0
+
+
+def _count_or_all(value: str) -> int:
+    """`--max-test-samples`: a count, or 0 / "all" for the whole split (0)."""
+    if value.strip().lower() == "all":
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected a count of examples or 'all', got {value!r}")
+    return count
 
 
 def _push(args) -> int:
@@ -238,7 +293,7 @@ def _merge(args) -> int:
     out = merge_inputs(args.inputs, args.method, out=args.output, weights=weights, density=args.density,
                        majority_sign=args.majority_sign, scope=args.scope, seed=args.seed,
                        dare_variant=args.dare_variant, rescaler=args.rescaler, base_adapter=args.base_adapter,
-                       overwrite=args.overwrite)
+                       head_from=args.head_from, no_head=args.no_head, overwrite=args.overwrite)
     if args.method == "unify":
         from hf_fedtask.export.compact import storage_report
 
@@ -253,9 +308,26 @@ MERGE_HELP = """\
 Task vectors are the inputs' saved PEFT tensors minus --base-adapter's (the shared PEFT init), or
 minus zero when it is not given: the raw tensors are then merged, as peft's add_weighted_adapter
 ("linear", "ties", "dare_*") does; for LoRA, A and B are merged separately, so the merged B·A has
-cross terms. The output keeps the first input's adapter_config.json. Heads (modules_to_save) are
-merged when their shapes agree, else it is an error; unify keeps one head per input and writes the
-compact export (hf_fedtask.load_task_adapter) plus each input's adapter under OUT/<name>/."""
+cross terms. The output keeps the first input's adapter_config.json.
+
+Heads (modules_to_save) are merged only when they classify into one label set (same label names, as
+an exported adapter's classifier/config.json records them, and same size). Heads of unrelated label
+sets are refused unless --head-from INPUT keeps that input's head unchanged (as mergekit's
+tokenizer_source picks one model's vocabulary) or --no-head writes the shared modules only. The output
+loads like an exported adapter: it carries the tokenizer and classifier/config.json of the input whose
+head it keeps (the first input's when heads are merged) and hf_fedtask.json with the label names.
+unify keeps one head per input and writes the compact export (hf_fedtask.load_task_adapter, label names
+in tasks.json) plus each input's adapter, tokenizer and classifier config under OUT/<name>/."""
+
+
+EVALUATE_HELP = """\
+Score an exported adapter on a task with stock PEFT + transformers, as a user without hf_fedtask's
+training code would load it. What is not given is taken from the adapter folder (hf_fedtask.json,
+classifier/config.json) or the run folder it sits in: the task it was trained on, the run's max_length,
+the seeded test subset its card's metric was computed on (max_test_samples), the base model. A line on
+stderr says which examples are scored; a progress bar shows on passes longer than a few seconds. A task
+whose labels (count or names) or inputs (text, image) are not the adapter's, or a base model other than
+the one it was trained on, is refused in one line naming both, exit 2."""
 
 
 UNLEARN_HELP = """Remove a task or a client from a finished run; the run itself is left as it is.
@@ -279,14 +351,52 @@ started with --node-config "partition-id=K num-partitions=N"). The ServerApp wri
 failed; `hf-fedtask flower run` checks the run's status and exits 2 unless it completed."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: `hf-fedtask run: error: MESSAGE; see hf-fedtask run --help`,
+    exit 2, instead of the usage block; a mistyped flag or command names the closest one. Subcommands'
+    parsers are of this class too (`add_subparsers` makes them with the parent's class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if self.prog == _PROG and extras:  # name the subcommand whose flag is unknown, not the top-level one
+            flags = [a for a in extras if a.startswith("-")]
+            parser = self._command_parser(namespace)
+            close = difflib.get_close_matches(flags[0].split("=")[0], parser._option_string_actions, n=1,
+                                              cutoff=0.75) if flags else []
+            parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {close[0]}?)" if close
+                                                                           else ""))
+        return namespace, extras
+
+    def _command_parser(self, namespace) -> argparse.ArgumentParser:
+        """The parser of the (sub)command `namespace` was parsed for, e.g. `hf-fedtask flower run`'s."""
+        parser = self
+        while True:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            if sub is None or getattr(namespace, sub.dest, None) not in sub.choices:
+                return parser
+            parser = sub.choices[getattr(namespace, sub.dest)]
+
+    def error(self, message: str):
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match:
+            choices = re.findall(r"'([^']*)'", match.group(2))
+            close = difflib.get_close_matches(match.group(1), choices, n=1, cutoff=0.6)
+            message += f" (did you mean {close[0]}?)" if close else ""
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+_PROG = "hf-fedtask"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-fedtask", description=__doc__.splitlines()[0])
+    parser = _Parser(prog=_PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run (or resume) a federated job")
     add_config_arguments(p)
     p.add_argument("--resume", action="store_true", help="continue from the last finished round in --output-dir")
     p.add_argument("--overwrite", action="store_true", help="delete what --output-dir holds and start over")
+    p.add_argument("--threads", type=_threads, default=None, help=THREADS_HELP)
     p.set_defaults(func=_run)
 
     p = sub.add_parser("inspect", help="print a task-vector file's metadata, keys, shapes and size")
@@ -297,12 +407,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a finished run's folder (the --output-dir of `hf-fedtask run`)")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("evaluate", help="evaluate a PEFT adapter folder on a task with stock PEFT")
+    p = sub.add_parser("evaluate", help="evaluate a PEFT adapter folder on a task with stock PEFT",
+                       description=EVALUATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("adapter_dir", help="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
-    p.add_argument("--task", required=True, help="builtin task name, local dataset path or Hub id")
+    p.add_argument("--task", default=None, help="builtin task name, local dataset path or Hub id (default: the "
+                   "task the adapter was trained on, as its hf_fedtask.json or its run records it)")
     p.add_argument("--split", default="test", help="the task's split to score (default: test)")
-    p.add_argument("--max-length", type=int, default=32,
-                   help="tokens per text input; use the run's --max-length (default: 32)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per text input (default: the run's max_length, as the adapter records it; else 32)")
+    p.add_argument("--max-test-samples", type=_count_or_all, default=None, metavar="N|all",
+                   help="score a seeded subset of N examples; 0 or all: the whole split (default: the subset the run "
+                        "scored this task on, i.e. its max_test_samples, else the whole split)")
+    p.add_argument("--base-model", default=None, help="load this base model (local folder or Hub id) instead of the "
+                   "recorded one; it must be the model the adapter was trained on (default: adapter_config.json's "
+                   "base_model_name_or_path, or the run's local folder when the adapter sits in its run)")
+    p.add_argument("--batch-size", type=int, default=128, help="examples per forward pass (default: 128)")
     p.set_defaults(func=_evaluate)
 
     p = sub.add_parser("push", help="push an adapter folder to the Hugging Face Hub")
@@ -335,12 +454,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rescaler", choices=("global_sum", "per_tensor_mean"), default="global_sum", help="unify's λ")
     p.add_argument("--base-adapter", default=None,
                    help="adapter folder holding the PEFT init the task vectors start from")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--head-from", default=None, metavar="INPUT",
+                       help="keep this input's classification head (its path, folder name or task) with its label "
+                            "names and tokenizer, and merge only the shared modules; needed when the inputs' heads "
+                            "have different label sets")
+    heads.add_argument("--no-head", action="store_true",
+                       help="write the merged shared modules only, without a classification head")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=_merge)
 
     p = sub.add_parser("unlearn", help="remove a task or a client from a finished run (negation, one-shot, F²L²)",
                        description=UNLEARN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a finished run (FedAvg family: fedavg, fedprox, ntkfedavg, ntkfedprox)")
+    p.add_argument("--threads", type=_threads, default=None, help=THREADS_HELP)
     p.add_argument("--task", default=None, help="the task to forget")
     p.add_argument("--client", type=int, default=None, help="federated: the client to forget (its updates negated)")
     p.add_argument("--rounds", type=int, default=None, help="federated: rounds of negated updates")

@@ -116,8 +116,9 @@ class RunConfig:
                                                "on every aggregated sum (ε is reported; 0: clipping only, ε = ∞)",
                                                minimum=0.0)
     dp_epsilon: float | None = option(None, "client-level DP: target ε at --dp-delta; σ is calibrated by dp-accounting "
-                                      "before training for the run's rounds and client sampling", minimum=0.0,
-                                      exclusive_minimum=True)
+                                      "before training for the run's rounds and client sampling (resumed with "
+                                      "other --rounds: recalibrated for the rounds left, the rounds run counted at "
+                                      "their σ)", minimum=0.0, exclusive_minimum=True)
     dp_delta: float = option(1e-5, "client-level DP: the δ of the (ε, δ) reported or targeted", minimum=0.0,
                              maximum=1.0, exclusive_minimum=True, exclusive_maximum=True)
     dp_noise: str = option("server", "client-level DP: where the noise is drawn: server (central) | clients (each of "
@@ -324,12 +325,44 @@ def _strategy_option_fields() -> dict[str, tuple[type, dataclasses.Field]]:
     return out
 
 
-def _add_flag(parser, cls, f: dataclasses.Field, help_text: str | None) -> None:
+def _field_default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _default_words(value) -> str | None:
+    """A default as `--help` shows it (None: unset, which the help text explains where it matters)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value)) if value else "none"
+    return str(value).replace("%", "%%")  # argparse formats help strings with %
+
+
+def _default_note(defaults: dict[str, object]) -> str:
+    """`(default: X)` for a flag whose owners (RunConfig, or the strategies having an option) default to
+    X; `(default: X for a, b; Y for c)` where they differ."""
+    by_value: dict[str, list[str]] = {}
+    for owner, value in defaults.items():
+        words = _default_words(value)
+        if words is not None:
+            by_value.setdefault(words, []).append(owner)
+    if not by_value:
+        return ""
+    if len(by_value) == 1 and len(next(iter(by_value.values()))) == len(defaults):
+        return f" (default: {next(iter(by_value))})"
+    return " (default: " + "; ".join(f"{words} for {', '.join(owners)}" for words, owners in by_value.items()) + ")"
+
+
+def _add_flag(parser, cls, f: dataclasses.Field, help_text: str | None, default_note: str = "") -> None:
     kind, is_list, _ = field_type(cls, f.name)
     flag = "--" + f.name.replace("_", "-")
     allowed = allowed_values(f)  # checked by the config (one line naming the key), not by argparse (usage + exit)
     if allowed and help_text is not None and kind is not bool:
         help_text = f"{help_text} {allowed}"
+    if help_text is not None:
+        help_text += default_note  # the flag's own default is None: only flags the user typed override YAML
     if kind is bool:
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif is_list:
@@ -344,11 +377,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of RunConfig keys; flags override it")
     for f in dataclasses.fields(RunConfig):
         if f.name != "strategy_options":
-            _add_flag(parser, RunConfig, f, f.metadata.get("help") if f.metadata else None)
+            _add_flag(parser, RunConfig, f, f.metadata.get("help") if f.metadata else None,
+                      _default_note({"run": _field_default(f)}))
     group = parser.add_argument_group("strategy options", "each is accepted only by the strategies that have it")
     for name, (cls, f) in _strategy_option_fields().items():
         owners = sorted(s for s, c in strategy_configs().items() if name in option_defaults(c))
-        _add_flag(group, cls, f, f"{f.metadata.get('help', '')} [{', '.join(owners)}]")
+        defaults = {s: option_defaults(strategy_configs()[s])[name] for s in owners}
+        _add_flag(group, cls, f, f"{f.metadata.get('help', '')} [{', '.join(owners)}]", _default_note(defaults))
 
 
 def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> RunConfig:

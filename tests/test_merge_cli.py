@@ -2,6 +2,7 @@
 PEFT, unify writes a loadable compact export, and bad inputs fail in one line writing nothing."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from hf_fedtask.model.backbone import load_classifier, resolve_base_model
 BATCH = {"input_ids": torch.randint(1, 1000, (4, 8), generator=torch.Generator().manual_seed(1)),
          "attention_mask": torch.ones(4, 8, dtype=torch.long)}
 WEIGHTS = "adapter_model.safetensors"
+METADATA = "hf_fedtask.json"  # what the merge was made from (hf_fedtask.export.adapter.METADATA_FILE)
 
 
 def base_model(tiny_bert_dir, num_labels=3):
@@ -65,7 +67,7 @@ def test_raw_merge_equals_peft_add_weighted_adapter(tmp_path, tiny_bert_dir, cap
     extra = ["--density", "0.5"] if method == "ties" else []
     code, stdout, _ = run(["--method", method, "--weights", "1,2,0.5", *extra, *adapters, "-o", out], capsys)
     assert code == 0 and str(out) in stdout
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", WEIGHTS]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", WEIGHTS, METADATA]
     assert (out / "adapter_config.json").read_bytes() == (adapters[0] / "adapter_config.json").read_bytes()
 
     peft_model = PeftModel.from_pretrained(base_model(tiny_bert_dir), adapters[0], adapter_name="task0")
@@ -179,10 +181,123 @@ def test_bad_inputs_exit_2_naming_the_file_and_write_nothing(tmp_path, tiny_bert
     assert code == 2 and "--density" in err
     code, _, err = run(["--method", "unify", "--weights", "1,2", *adapters[:2], "-o", out], capsys)
     assert code == 2 and "--weights" in err
+    code, _, err = run(["--method", "unify", "--head-from", "task0", *adapters[:2], "-o", out], capsys)
+    assert code == 2 and "--head-from does not apply to --method unify" in err and not out.exists()
 
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     code, _, err = run(["--method", "task_arithmetic", *adapters[:2], "-o", out], capsys)
     assert code == 2 and "--overwrite" in err and [p.name for p in out.iterdir()] == ["keep.txt"]
     assert run(["--method", "task_arithmetic", *adapters[:2], "-o", out, "--overwrite"], capsys)[0] == 0
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", WEIGHTS]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", WEIGHTS, METADATA]
+
+
+def labelled_adapters(tiny_bert_dir, out, label_sets):
+    """`make_adapters` whose folders carry what a run's export carries: the tokenizer, `classifier/config.json`
+    with the label names, and `hf_fedtask.json` naming the task (task0, task1, ...)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hf_fedtask.export.adapter import classifier_config_for, write_metadata
+
+    init, adapters = make_adapters(tiny_bert_dir, out, labels=[len(n) for n in label_sets])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert_dir)
+    for folder, names in zip(adapters, label_sets):
+        classifier_config_for(AutoConfig.from_pretrained(tiny_bert_dir), list(names), tiny_bert_dir).save_pretrained(
+            folder / "classifier")
+        tokenizer.save_pretrained(folder)
+        write_metadata(folder, {"task": folder.name, "label_names": list(names), "modality": "text", "max_length": 16})
+    return init, adapters
+
+
+def readme_route(folder):
+    """The README's loading route for an exported adapter: transformers' PEFT integration, label names from
+    `classifier/config.json`, the folder's own tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder, subfolder="classifier")
+    model = AutoModelForSequenceClassification.from_pretrained(folder, config=config).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def test_heads_of_unrelated_labels_are_refused_and_head_from_keeps_one(tmp_path, tiny_bert_dir, capsys):
+    from peft import set_peft_model_state_dict
+    from transformers import pipeline
+
+    init, adapters = labelled_adapters(tiny_bert_dir, tmp_path, [("negative", "positive"), ("female", "male")])
+    out = tmp_path / "merged"
+    code, _, err = run(["--method", "ties", "--base-adapter", init, *adapters, "-o", out], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(s in err for s in ("task1", "[female, male]", "[negative, positive]", "--head-from", "--no-head"))
+    assert not out.exists()
+
+    code, _, err = run(["--method", "ties", "--base-adapter", init, *adapters, "--head-from", "task1", "-o", out],
+                       capsys)
+    assert code == 0, err
+    theta = loaded(init)
+    shared = theta.filter(lambda k: ".classifier." not in k)
+    expected = shared + merge.ties([loaded(a).filter(shared.__contains__) - shared for a in adapters], [1, 1], 0.2)
+    expected = {**expected, **{k: v for k, v in loaded(adapters[1]).items() if ".classifier." in k}}
+    got = load_file(out / WEIGHTS)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+    meta = json.loads((out / METADATA).read_text())
+    assert meta["label_names"] == ["female", "male"] and meta["task"] == "task1"
+    assert "kept from `task1`" in (out / "README.md").read_text()
+
+    model, tokenizer = readme_route(out)  # loads as a run's export does, with the kept head's label names
+    assert model.config.id2label == {0: "female", 1: "male"}
+    reference = PeftModel.from_pretrained(base_model(tiny_bert_dir, 2), adapters[1]).eval()
+    set_peft_model_state_dict(reference, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**BATCH).logits, reference(**BATCH).logits)
+    answers = pipeline("text-classification", model=model, tokenizer=tokenizer)(["a day", "a night"])
+    assert {a["label"] for a in answers} <= {"female", "male"}
+
+    code, _, err = run(["--method", "ties", "--base-adapter", init, *adapters, "--no-head", "-o", tmp_path / "bare"],
+                       capsys)
+    assert code == 0, err
+    assert not any(".classifier." in k for k in load_file(tmp_path / "bare" / WEIGHTS))
+    assert not (tmp_path / "bare" / "classifier").exists() and (tmp_path / "bare" / "tokenizer.json").exists()
+    code, _, err = run(["--method", "ties", *adapters, "--head-from", "task7", "-o", tmp_path / "x"], capsys)
+    assert code == 2 and "task7" in err and not (tmp_path / "x").exists()
+
+
+def test_heads_of_one_label_set_are_merged_and_the_output_loads_like_an_export(tmp_path, tiny_bert_dir, capsys):
+    init, adapters = labelled_adapters(tiny_bert_dir, tmp_path, [("negative", "positive")] * 2)
+    out = tmp_path / "merged"
+    code, _, err = run(["--method", "task_arithmetic", "--weights", "0.5,0.5", "--base-adapter", init, *adapters,
+                        "-o", out], capsys)
+    assert code == 0, err
+    theta = loaded(init)
+    expected = theta + merge.task_arithmetic([loaded(a) - theta for a in adapters], [0.5, 0.5])
+    got = load_file(out / WEIGHTS)
+    assert any(".classifier." in k for k in got) and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert json.loads((out / METADATA).read_text())["label_names"] == ["negative", "positive"]
+    model, _ = readme_route(out)
+    reference = PeftModel.from_pretrained(base_model(tiny_bert_dir, 2), out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**BATCH).logits, reference(**BATCH).logits)
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+
+
+def test_unify_keeps_each_inputs_label_names(tmp_path, tiny_bert_dir, capsys):
+    init, adapters = labelled_adapters(tiny_bert_dir, tmp_path, [("negative", "positive"), ("red", "green", "blue")])
+    out = tmp_path / "unified"
+    code, _, err = run(["--method", "unify", "--base-adapter", init, *adapters, "-o", out], capsys)
+    assert code == 0, err
+    tasks = {t["name"]: t for t in json.loads((out / "tasks.json").read_text())["tasks"]}
+    assert tasks["task0"]["label_names"] == ["negative", "positive"]
+    assert tasks["task1"]["label_names"] == ["red", "green", "blue"]
+    assert load_task_adapter(out, "task1", base_model=tiny_bert_dir).config.id2label == {0: "red", 1: "green",
+                                                                                          2: "blue"}
+    model, _ = readme_route(out / "task1")  # each input's folder loads like the input did
+    assert model.config.id2label == {0: "red", 1: "green", 2: "blue"}
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters[1], bad)
+    config = json.loads((bad / "classifier" / "config.json").read_text())
+    config["id2label"] = {"0": "red", "1": "green"}  # 2 names for a head of 3 outputs
+    (bad / "classifier" / "config.json").write_text(json.dumps(config))
+    code, _, err = run(["--method", "unify", "--base-adapter", init, adapters[0], bad, "-o", tmp_path / "u2"],
+                       capsys)
+    assert code == 2 and "bad" in err and "2 label names" in err and "3 outputs" in err
+    assert not (tmp_path / "u2").exists()

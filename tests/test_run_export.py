@@ -3,6 +3,7 @@ tokenizing or partitioning any client data."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from conftest import tensors_equal
@@ -19,6 +20,7 @@ def test_export_rewrites_the_adapters_without_tokenizing_or_partitioning(finishe
     adapters = sorted((run_dir / "adapters").glob("*/adapter_model.safetensors"))
     before = {p.parent.name: load_file(p) for p in adapters}
     assert sorted(before) == ["colors", "moods"]
+    records = {task: (run_dir / "adapters" / task / "hf_fedtask.json").read_text() for task in before}
     shutil.rmtree(run_dir / "adapters")
 
     def forbidden(*args, **kwargs):
@@ -32,3 +34,8 @@ def test_export_rewrites_the_adapters_without_tokenizing_or_partitioning(finishe
     assert sorted(p.name for p in paths) == ["colors", "moods"]
     for task, tensors in before.items():
         assert tensors_equal(load_file(run_dir / "adapters" / task / "adapter_model.safetensors"), tensors), task
+        # what `hf-fedtask evaluate` checks a task against and defaults from, rewritten as the run wrote it
+        assert (run_dir / "adapters" / task / "hf_fedtask.json").read_text() == records[task]
+        record = json.loads(records[task])
+        assert record["task"] == task and record["max_length"] == 16 and record["modality"] == "text"
+        assert record["label_names"] == {"colors": ["red", "blue", "green"], "moods": ["happy", "sad"]}[task]

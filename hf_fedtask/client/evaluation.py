@@ -15,7 +15,6 @@ from hf_fedtask.metrics import compute, module_path
 from hf_fedtask.model.device import to_device
 from hf_fedtask.model.host import PeftHost
 
-
 PROGRESS_DELAY = 2.0
 """Seconds a scoring pass with a progress bar runs before the bar appears (tqdm's `delay`): quick ones stay
 quiet, and anything slower (a causal LM, a large split) shows its progress, as training does."""

@@ -12,13 +12,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_fedtask.core.files import CHECKPOINT_FILE
 from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.taskvector_file import make_metadata, validate
 from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 from hf_fedtask.errors import OutputDirError, TaskVectorError
 
-CHECKPOINT_FILE = "checkpoint.safetensors"
 CLIENT_PREFIX = "client/"
 TIMING = "seconds"  # the per-round wall-clock field of a history record
 

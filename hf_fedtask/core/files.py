@@ -77,6 +77,8 @@ def built_once(path: Path, build: Callable[[Path], None]) -> Path:
 
 
 LOCK_FILE = ".hf_fedtask.lock"
+CHECKPOINT_FILE = "checkpoint.safetensors"  # a run folder's checkpoint (`hf_fedtask.core.checkpoint`), named here
+# so that the run folder's checks (`hf_fedtask.engine.preflight`) read it without importing torch
 
 
 @contextlib.contextmanager
@@ -89,6 +91,9 @@ def folder_lock(folder: str | os.PathLike, what: str = "run folder") -> Iterator
 
     folder = Path(folder)
     created = not folder.exists()
+    first_new = folder  # the outermost folder this call creates: removed again when nothing was written
+    while not first_new.parent.exists() and first_new.parent != first_new:
+        first_new = first_new.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -107,7 +112,7 @@ def folder_lock(folder: str | os.PathLike, what: str = "run folder") -> Iterator
     finally:
         os.close(fd)  # closing the descriptor releases the lock
         if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:  # nothing was written: leave no trace
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(first_new, ignore_errors=True)
 
 
 def remove_stale_staging(folder: Path) -> list[Path]:

@@ -75,10 +75,13 @@ def run(
     callbacks: list[Callable[[RoundContext], None]] = (),
     warm_start: str | Path | None = None,
     engine: Engine = in_process,
+    on_start: Callable[[Environment, Server], None] | None = None,
 ) -> dict:
     """Run (or resume) a federated job described by `config` with `engine`; returns the results dict
     that is also written to `output_dir/results.json`. `warm_start`: a finished run whose final state
-    (and history) this run continues from, unless `output_dir` has its own checkpoint to resume."""
+    (and history) this run continues from, unless `output_dir` has its own checkpoint to resume.
+    `on_start`: called once every check has passed, before the run folder is claimed and the first round
+    (the CLI prints the run's settings there: `hf_fedtask.engine.announce`); on rank 0 only."""
     here = launch()
     if here.multi_process:
         if engine is not in_process:
@@ -88,8 +91,10 @@ def run(
         rank_store()  # join the launch's store; from here on Trainers see a single process
         if here.rank != 0:
             return serve(config)  # this rank trains the clients rank 0 sends it; rank 0 writes the run folder
-        return _run_rank0(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=warm_start)
-    return _run(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=warm_start, engine=engine)
+        return _run_rank0(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=warm_start,
+                          on_start=on_start)
+    return _run(config, resume=resume, overwrite=overwrite, callbacks=callbacks, warm_start=warm_start, engine=engine,
+                on_start=on_start)
 
 
 def _run_rank0(config: RunConfig, **kwargs) -> dict:
@@ -113,18 +118,39 @@ def _run_rank0(config: RunConfig, **kwargs) -> dict:
     return results
 
 
-def _run(config: RunConfig, *, resume, overwrite, callbacks, warm_start, engine: Engine) -> dict:
+def _run(config: RunConfig, *, resume, overwrite, callbacks, warm_start, engine: Engine, on_start=None) -> dict:
     check_output_dir(config, resume=resume, overwrite=overwrite)
+    check_trackers(config.report_to)
     with folder_lock(config.output_dir):  # one writer per run folder, released on any exit
         check_output_dir(config, resume=resume, overwrite=overwrite)  # again: another writer may have been first
         env = Environment(config)
         server = Server(env)
         server.check()  # bad suite/task/model names and unsupported settings fail here, before anything is written
         return _run_locked(env, server, engine, resume=resume, overwrite=overwrite, callbacks=callbacks,
-                           warm_start=warm_start)
+                           warm_start=warm_start, on_start=on_start)
 
 
-def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, overwrite, callbacks, warm_start) -> dict:
+def check_trackers(report_to: list[str]) -> None:
+    """Refuse, before the run folder is claimed, a `report_to` tracker Accelerate does not know (it would
+    raise once the folder is written) or whose package is not installed here (Accelerate's
+    `filter_trackers` drops those silently, so nothing would be logged)."""
+    names = [name for name in report_to if name != "none"]
+    if not names:
+        return
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    for name in names:
+        if name not in LoggerType.list():
+            raise ConfigError(f"report_to: {name!r} is no Accelerate tracker; choose from "
+                              f"{', '.join(t for t in LoggerType.list() if t != 'all')} (or all)")
+        if name != "all" and LoggerType(name) not in get_available_trackers():
+            raise ConfigError(f"report_to: the {name} tracker's package is not installed here (pip install {name}); "
+                              "Accelerate would leave it out and log nothing")
+
+
+def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, overwrite, callbacks, warm_start,
+                on_start=None) -> dict:
     config = env.config
     run_dir = Path(config.output_dir)
     state, history, stores = env.initial_state(), [], {}
@@ -143,6 +169,8 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
             raise ConfigError(f"strategy {env.strategy.name!r} keeps personal layers on the clients; the "
                               f"{transport.name} engine keeps them on its nodes for one run only, so it cannot "
                               "resume or warm-start this run")
+        if on_start is not None:  # every check passed: what the run will do, before it writes anything
+            on_start(env, server)
         run_dir = claim_output_dir(config, overwrite=overwrite)
         remove_stale_staging(run_dir)
         if config.save_payloads:

@@ -20,50 +20,21 @@ from hf_fedtask.core.files import LOCK_FILE, write_atomic
 from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.data.task import TaskInfo
 from hf_fedtask.engine.environment import Environment
-from hf_fedtask.errors import OutputDirError
 
-RUN_CONFIG_FILE = "run_config.yaml"
+# the checks that need no model, data or torch live in `preflight` (the CLI runs them before importing the
+# engine); they are this module's names too
+from hf_fedtask.engine.preflight import (  # noqa: F401
+    RESULTS_FILE,
+    RUN_CONFIG_FILE,
+    check_finished_run,
+    check_output_dir,
+    load_run_config,
+)
+
 METRICS_FILE = "metrics.jsonl"
-RESULTS_FILE = "results.json"
 PLOT_FILE = "accuracy_vs_round.png"
 UNLEARNING_PLOT_FILE = "unlearning.png"
 PAYLOADS_DIR = "payloads"
-
-
-def load_run_config(run_dir: str | Path) -> RunConfig:
-    """The config a run folder was written with (earlier releases' layouts included)."""
-    return RunConfig.from_yaml(Path(run_dir) / RUN_CONFIG_FILE, saved=True)
-
-
-def check_output_dir(config: RunConfig, *, resume: bool, overwrite: bool) -> Path:
-    """Refuse an `output_dir` that holds something else, before any work starts (read-only)."""
-    run_dir = Path(config.output_dir)
-    saved = run_dir / RUN_CONFIG_FILE
-    if run_dir.exists() and not run_dir.is_dir():
-        raise OutputDirError(f"{run_dir}: exists and is not a directory; choose another --output-dir")
-    if _holds_something(run_dir) and not overwrite:
-        if not saved.exists():
-            raise OutputDirError(f"{run_dir}: output dir is not empty and holds no hf_fedtask run; "
-                                 "choose another --output-dir")
-        previous = load_run_config(run_dir)
-        if previous.fingerprint() != config.fingerprint():
-            mine, theirs = config.flat(), previous.flat()
-            changed = [k for k in sorted(set(mine) | set(theirs))
-                       if k not in RunConfig.RESUMABLE_CHANGES and mine.get(k) != theirs.get(k)]
-            raise OutputDirError(
-                f"{run_dir}: already holds a different run (differs in {', '.join(changed)}); "
-                "choose another --output-dir or pass --overwrite"
-            )
-        if not resume:
-            raise OutputDirError(f"{run_dir}: already holds this run; "
-                                 "pass --resume to continue it or --overwrite to restart")
-    elif resume and not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: nothing to resume (no {CHECKPOINT_FILE})")
-    return run_dir
-
-
-def _holds_something(run_dir: Path) -> bool:
-    return run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
 
 
 def claim_output_dir(config: RunConfig, *, overwrite: bool) -> Path:
@@ -116,10 +87,7 @@ class FinishedRun:
 def open_finished_run(run_dir: str | Path, tasks: list[TaskInfo] | None = None) -> FinishedRun:
     """A run folder's environment (from its saved config), final state, history and stores. `tasks`:
     the run's tasks without their data (`results.task_infos(results)`), for work that needs no data."""
-    run_dir = Path(run_dir)
-    if not (run_dir / RUN_CONFIG_FILE).exists() or not (run_dir / CHECKPOINT_FILE).exists():
-        raise OutputDirError(f"{run_dir}: not a finished hf_fedtask run "
-                             f"(needs {RUN_CONFIG_FILE} and {CHECKPOINT_FILE})")
+    run_dir = check_finished_run(run_dir)
     config = load_run_config(run_dir)
     env = Environment(config, tasks=tasks)
     state, history, stores = restore(env, run_dir, config.fingerprint(), allocation=checkpoint_allocation(run_dir))

@@ -97,6 +97,8 @@ class Server:
         """What can be refused before anything is written: names, the model and its PEFT config, the
         tasks' inputs against the model's, the partition, the initial state, unsupported settings."""
         env = self.env
+        if self.strategy.capabilities.classifier_only:
+            env.host  # noqa: B018  (a strategy that needs a classifier refuses a causal LM before its settings)
         self.strategy.check_run(self.config)
         self.privacy  # noqa: B018  (DP options a strategy cannot honour, or bad ones, fail here)
         for t in env.tasks:

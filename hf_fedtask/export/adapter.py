@@ -144,21 +144,22 @@ def adapter_label_names(folder: str | os.PathLike) -> list[str] | None:
     return [str(n) for n in names] if isinstance(names, list) and names else None
 
 
-_ADAPTER_OWN_FILES = {CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, "README.md", METADATA_FILE}
+# the adapter's own files, and a multi-adapter or compact folder's index: not the loading files of one adapter
+_ADAPTER_OWN_FILES = {CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, "README.md", METADATA_FILE, "tasks.json"}
 
 
-def copy_loading_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+def copy_loading_files(source: str | os.PathLike, target: str | os.PathLike, *, classifier: bool = True) -> list[str]:
     """Copy what an exported adapter folder carries besides its adapter (the tokenizer or image processor
-    files, a chat template, `classifier/config.json`) from `source` to `target`, so `target` loads by the
-    same route (`AutoConfig.from_pretrained(target, subfolder="classifier")`, `pipeline(..., tokenizer=
-    target)`); returns the names copied."""
+    files, a chat template, and with `classifier` its `classifier/config.json`) from `source` to `target`,
+    so `target` loads by the same route (`AutoConfig.from_pretrained(target, subfolder="classifier")`,
+    `pipeline(..., tokenizer=target)`); returns the names copied."""
     source, target = Path(source), Path(target)
     copied = []
     for item in sorted(source.iterdir()):
         if item.is_file() and item.name not in _ADAPTER_OWN_FILES:
             shutil.copy2(item, target / item.name)
             copied.append(item.name)
-        elif item.is_dir() and item.name == CLASSIFIER_SUBFOLDER:
+        elif item.is_dir() and item.name == CLASSIFIER_SUBFOLDER and classifier:
             shutil.copytree(item, target / item.name, dirs_exist_ok=True)
             copied.append(item.name)
     return copied

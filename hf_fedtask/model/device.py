@@ -114,6 +114,31 @@ def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
                           "use fp16")
 
 
+# bfloat16 arithmetic in hardware, by `torch.cpu.get_capabilities()`'s names: AVX512-BF16, AMX-BF16 or
+# AVX-NE-CONVERT on x86, the BF16 / SVE-BF16 extensions on Arm
+BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16", "sve_bf16")
+
+
+def cpu_bf16_features() -> list[str]:
+    """The bfloat16 instructions this CPU has (`BF16_CPU_FEATURES`, from `torch.cpu.get_capabilities`);
+    empty where it has none, so that bf16 autocast on it is emulated through fp32 and runs slower."""
+    capabilities = torch.cpu.get_capabilities()
+    return [name for name in BF16_CPU_FEATURES if capabilities.get(name) is True]
+
+
+def precision_in_words(mixed_precision: str, device: torch.device) -> str:
+    """The precision a run computes in, as the run's start says it: fp32, or the autocast dtype with,
+    on a CPU, whether bf16 is native (its instructions named) or emulated."""
+    if mixed_precision == "no":
+        return "fp32"
+    words = f"{mixed_precision} autocast (task vectors, server state and aggregation stay fp32)"
+    if device.type == "cpu" and mixed_precision == "bf16":
+        native = cpu_bf16_features()
+        words += (f"; native on this CPU ({', '.join(native)})" if native else
+                  "; emulated on this CPU (no AVX512-BF16, AMX or Arm BF16 instructions): slower than fp32")
+    return words
+
+
 def autocast(device: torch.device, mixed_precision: str = "no") -> contextlib.AbstractContextManager:
     """torch's autocast for `mixed_precision` on `device` (a no-op context for "no"): what Accelerate
     wraps a Trainer's forward in, used for evaluation so it runs in the precision training did."""

@@ -24,7 +24,7 @@ from peft.utils import ModulesToSaveWrapper
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.data.task import Task
 from hf_fedtask.errors import ConfigError
-from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs
+from hf_fedtask.model.backbone import BaseModelRef, load_classifier, load_inputs, quiet_peft_wrap
 from hf_fedtask.model.device import autocast, check_mixed_precision, model_device, to_cpu
 from hf_fedtask.model.linearize import LinearizedModel, linearized
 
@@ -75,7 +75,8 @@ class PeftHost:
         torch.manual_seed(seed)  # the PEFT init (e.g. LoRA A) is the shared, seeded starting point
         try:
             classifier = load_classifier(base, 2, attn_implementation, quantization=quantization, device=device)
-            self.model = get_peft_model(classifier, peft_config)
+            with quiet_peft_wrap():
+                self.model = get_peft_model(classifier, peft_config)
         except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
             raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model "
                               f"({str(e).splitlines()[0]})") from e

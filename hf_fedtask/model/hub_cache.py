@@ -188,6 +188,28 @@ def place_embedded_backbone(cache_dir: str | os.PathLike | None = None) -> Place
     return place_embedded(MINILM, cache_dir)
 
 
+def cached_in_hub(repo_id: str) -> bool:
+    """Whether the Hub cache holds `repo_id`'s config.json at `main`, by huggingface_hub's own lookup
+    (`try_to_load_from_cache`: refs/main, then the snapshot), so a loader finds the model offline."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def cached_models() -> list[str]:
+    """The model repos in the Hub cache that carry a config.json (what `from_pretrained` loads offline),
+    by huggingface_hub's `scan_cache_dir`; [] when there is no cache."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir()
+    except (CacheNotFound, OSError):
+        return []
+    return sorted(repo.repo_id for repo in info.repos if repo.repo_type == "model"
+                  and any(f.file_name == "config.json" for rev in repo.revisions for f in rev.files))
+
+
 def skip_hub_cache() -> bool:
     """Whether HF_FEDTASK_NO_HUB_CACHE asks hf_fedtask to leave the Hugging Face cache alone."""
     return os.environ.get(SKIP_ENV, "").strip() in ("1", "true", "yes")

@@ -37,7 +37,7 @@ SERVER, CLIENTS = "server", "clients"
 NOISE_MODES = (SERVER, CLIENTS)
 # keep the server's noise, the clients' noise and the client sample apart
 SERVER_STREAM, CLIENT_STREAM, SAMPLING_STREAM = 0, 1, 2
-CHUNK = 1 << 20  # values drawn per keystream call: bounded temporary memory for any tensor size
+CHUNK = 1 << 20  # Box–Muller pairs drawn per step: bounded temporary memory for any tensor size
 _SEGMENT_WORDS = (1 << 32) * 8  # 64-bit words under one nonce: ChaCha20's 32-bit block counter, 64-byte blocks
 _TWO_PI = 2.0 * math.pi
 

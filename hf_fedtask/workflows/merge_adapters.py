@@ -14,13 +14,21 @@ weights multiply the tensors themselves and the output keeps the inputs' config,
 s = lora_alpha/r. Task-vector files of kind "delta" are already τ and need `--base-adapter`; files of
 kind "absolute" are treated like adapter folders.
 
-Heads (modules_to_save keys) are merged like the rest when all inputs' have the same shape, else it
-is an error; `unify` keeps each input's own head instead.
+Heads (modules_to_save keys) are merged like the rest only when they classify into one label set: the
+same label names (an exported adapter's `classifier/config.json` or `hf_fedtask.json`) and the same
+number of labels. Heads of unrelated label sets (negative/positive with female/male, or 2 labels with 6)
+are refused unless told what to do, as mergekit asks `tokenizer_source` when vocabularies differ:
+`head_from` keeps one input's head as it is (and its label names, tokenizer and classifier config), and
+`no_head` writes the shared modules only. peft's `add_weighted_adapter` refuses adapters with
+modules_to_save altogether. `unify` keeps each input's own head.
 
 Output: a PEFT adapter folder (adapter_config.json of the first adapter folder among the inputs, else
-of `--base-adapter`; the merged adapter_model.safetensors; a README card), written atomically. For
-`unify` it is the compact export of `hf_fedtask.export.compact` with one task per input, named after the
-input, plus each input's reconstructed adapter under OUT/<name>/.
+of `--base-adapter`; the merged adapter_model.safetensors; a README card), written atomically, that loads
+by the route an exported adapter does: the tokenizer or image processor files and `classifier/config.json`
+of the input whose head is kept (the first adapter folder when heads are merged), and `hf_fedtask.json`
+with the label names. For `unify` it is the compact export of `hf_fedtask.export.compact` with one task
+per input, named after the input, its label names in tasks.json, plus each input's reconstructed adapter
+under OUT/<name>/ with that input's tokenizer and classifier config.
 """
 
 from __future__ import annotations
@@ -41,9 +49,13 @@ from hf_fedtask.core.files import staged_folder
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError, OutputDirError, TaskVectorError
 from hf_fedtask.export.adapter import (
+    adapter_label_names,
     check_portable_base_model_id,
+    copy_loading_files,
     read_adapter_config,
     read_adapter_folder,
+    read_metadata,
+    write_metadata,
 )
 from hf_fedtask.export.compact import save_compact, write_adapter_folder
 from hf_fedtask.merge.ties import SIGN_METHODS
@@ -64,6 +76,18 @@ class _Input:
     base_model: str | None
     config_hash: str
     config_file: Path | None  # adapter_config.json of an adapter folder
+    label_names: list[str] | None = None  # what its head classifies into, where the folder records it
+    metadata: dict | None = None  # an exported adapter's hf_fedtask.json
+
+    @property
+    def folder(self) -> Path | None:
+        return self.config_file.parent if self.config_file is not None else None
+
+    def matches(self, ref: str) -> bool:
+        """Whether `ref` (a --head-from value) names this input: its path, folder name or task."""
+        if Path(ref).exists() and Path(self.source).exists():
+            return Path(ref).resolve() == Path(self.source).resolve()
+        return ref in (self.name, (self.metadata or {}).get("task"))
 
 
 def merge_inputs(
@@ -79,17 +103,26 @@ def merge_inputs(
     dare_variant: str = "linear",
     rescaler: str = "global_sum",
     base_adapter: str | os.PathLike | None = None,
+    head_from: str | os.PathLike | None = None,
+    no_head: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """Merge the adapters or task vectors at `paths` with `method` (see METHODS) into `out`; return it.
 
     `weights` (one per input, default 1) apply to task_arithmetic, ties and dare; `density` (default
     0.2 for ties, 0.5 for dare) is the fraction kept; `dare_variant` is "linear" or "ties"; `rescaler`
-    is unify's λ (see `hf_fedtask.merge.unify`). Bad inputs raise a one-line FedTaskError naming the
+    is unify's λ (see `hf_fedtask.merge.unify`). Heads are merged only when they share a label set;
+    `head_from` (an input's path, folder name or task) keeps that input's head instead, `no_head` writes
+    the shared modules only (see the module). Bad inputs raise a one-line FedTaskError naming the
     file, before anything is written; an existing non-empty `out` is replaced only with `overwrite`."""
     density = _check_options(len(paths), method, weights, density, {
         "majority sign method": (majority_sign, SIGN_METHODS), "TIES scope": (scope, ("tensor", "model")),
         "DARE variant": (dare_variant, ("linear", "ties")), "rescaler": (rescaler, RESCALERS)})
+    if head_from is not None and no_head:
+        raise ConfigError("give --head-from or --no-head, not both")
+    if method == "unify" and (head_from is not None or no_head):
+        raise ConfigError(f"{'--head-from' if head_from is not None else '--no-head'} does not apply to "
+                          "--method unify (it keeps each input's own head)")
     weights = list(weights) if weights is not None else [1.0] * len(paths)
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -109,13 +142,31 @@ def merge_inputs(
     head_keys = {k for k in inputs[0].tensors if head_modules & set(k.split("."))}
     ref = base if base is not None else inputs[0]
     for x in inputs:
-        _check_compatible(x, ref, head_keys, allow_head_shapes=method == "unify" and not x.delta)
+        _check_compatible(x, ref, head_keys)
+    if (head_from is not None or no_head) and not head_keys:
+        raise ConfigError(f"{'--head-from' if head_from is not None else '--no-head'}: the inputs have no head "
+                          "(no modules_to_save in adapter_config.json)")
+    keeper = _head_input(inputs, head_from) if head_from is not None else None
 
     if method == "unify":
+        _check_own_heads(inputs, base, head_keys)
         return _unify(inputs, base, config_file, config, head_keys, rescaler, out)
-    vectors = [x.tensors if x.delta or base is None else x.tensors - base.tensors for x in inputs]
+    merge_heads = keeper is None and not no_head
+    if merge_heads:
+        _check_same_heads(inputs, base, head_keys)
+    elif keeper is not None and keeper.delta:
+        _check_same_heads([keeper], base, head_keys)
+    keys = [k for k in inputs[0].tensors if merge_heads or k not in head_keys]
+
+    def part(tv: TaskVector) -> TaskVector:
+        return tv if merge_heads else tv.filter(lambda k: k not in head_keys)
+
+    vectors = [part(x.tensors) if x.delta or base is None else part(x.tensors) - part(base.tensors) for x in inputs]
     merged = _merge(vectors, method, weights, density, majority_sign, scope, seed, dare_variant)
-    state = merged if base is None else base.tensors + merged
+    state = dict(merged if base is None else part(base.tensors) + merged)
+    if keeper is not None:
+        state.update(_absolute_head(keeper, base, head_keys))
+        keys += [k for k in keeper.tensors if k in head_keys]
     params = {"weights": weights}
     if method == "ties":
         params.update(density=density, majority_sign=majority_sign, scope=scope)
@@ -123,11 +174,91 @@ def merge_inputs(
         params.update(density=density, seed=seed, dare_variant=dare_variant)
         if dare_variant == "ties":
             params["majority_sign"] = majority_sign
+    head = ("none" if not head_keys else "merged" if merge_heads else "dropped (--no-head)" if no_head
+            else f"kept from `{keeper.name}` (--head-from)")
+    params["head"] = head
     card = _card(inputs, base, method, params, config.get("base_model_name_or_path"))
+    source = keeper if keeper is not None else next((x for x in [*inputs, base] if x is not None and x.folder), None)
+    labelled = bool(head_keys) and not no_head and source is not base  # the base adapter's head is only the init
     with staged_folder(out) as staging:
-        write_adapter_folder(staging, config_file.read_bytes(),
-                             TaskVector({k: state[k] for k in inputs[0].tensors}), card)
+        write_adapter_folder(staging, config_file.read_bytes(), TaskVector({k: state[k] for k in keys}), card)
+        if source is not None and source.folder is not None:  # the tokenizer, and the label names of the head kept
+            copy_loading_files(source.folder, staging, classifier=labelled)
+        write_metadata(staging, _merged_metadata(inputs, source, method, head, labelled=labelled))
     return out
+
+
+def _head_input(inputs: list[_Input], head_from) -> _Input:
+    """The input `--head-from` names (by path, folder name or task), or one ConfigError listing them."""
+    found = [x for x in inputs if x.matches(str(head_from))]
+    if len(found) != 1:
+        what = "no input" if not found else f"{len(found)} inputs"
+        raise ConfigError(f"--head-from {str(head_from)!r}: {what} of this merge has that path, name or task; "
+                          f"give one of {', '.join(x.source for x in inputs)}")
+    return found[0]
+
+
+def _absolute_head(x: _Input, base: _Input | None, head_keys: set[str]) -> dict:
+    """`x`'s head as PEFT parameters (a delta task vector's is added to the base adapter's)."""
+    return {k: x.tensors[k] + base.tensors[k] if x.delta else x.tensors[k] for k in x.tensors if k in head_keys}
+
+
+def _head_rows(x: _Input, head_keys: set[str]) -> int | None:
+    """Outputs of `x`'s head: the rows of its last weight (the output layer comes last in module order)."""
+    weights = [k for k in x.tensors if k in head_keys and k.endswith("weight")]
+    return int(x.tensors[weights[-1]].shape[0]) if weights else None
+
+
+def _labels(x: _Input, head_keys: set[str]) -> str:
+    rows, names = _head_rows(x, head_keys), x.label_names
+    if names:
+        return f"{len(names)} labels [{', '.join(names[:6])}{', …' if len(names) > 6 else ''}]"
+    return f"{rows} labels (names not recorded)"
+
+
+def _check_same_heads(inputs: list[_Input], base: _Input | None, head_keys: set[str]) -> None:
+    """Heads are merged: refuse, naming both, heads of other sizes or other label names than the first's
+    (and than --base-adapter's, which the task vectors are measured from)."""
+    ref = inputs[0]
+    fix = ("pass --head-from <input> to keep one input's head, or --no-head to write the shared modules only "
+           "(--method unify keeps one head per input)")
+    for x in [*inputs, *([base] if base is not None else [])]:
+        if x is ref:
+            continue
+        for key in sorted(head_keys):
+            if key in x.tensors and x.tensors[key].shape != ref.tensors[key].shape:
+                raise TaskVectorError(f"{x.source}: its head has {_labels(x, head_keys)}, {ref.source}'s has "
+                                      f"{_labels(ref, head_keys)}: heads of different sizes cannot be merged; {fix}")
+        if x is not base and x.label_names and ref.label_names and x.label_names != ref.label_names:
+            raise ConfigError(f"{x.source}: its head has {_labels(x, head_keys)}, {ref.source}'s has "
+                              f"{_labels(ref, head_keys)}: heads of unrelated label sets cannot be merged; {fix}")
+
+
+def _check_own_heads(inputs: list[_Input], base: _Input | None, head_keys: set[str]) -> None:
+    """unify keeps each input's head: each one's recorded label names must be as many as its outputs, and a
+    delta input's head must fit the base adapter's it is added to."""
+    for x in inputs:
+        rows = _head_rows(x, head_keys)
+        if x.label_names and rows is not None and len(x.label_names) != rows:
+            raise ConfigError(f"{x.source}: records {len(x.label_names)} label names "
+                              f"[{', '.join(x.label_names[:6])}] but its head has {rows} outputs")
+        if x.delta:
+            _check_same_heads([x], base, head_keys)
+
+
+def _merged_metadata(inputs: list[_Input], source: _Input | None, method: str, head: str, labelled: bool) -> dict:
+    """The merged adapter's hf_fedtask.json: what it was merged from, and, from the input whose head (and
+    label names) it carries, the task, labels, input kind and max_length `hf-fedtask evaluate` checks against."""
+    meta = {"merge": {"method": method, "inputs": [x.name for x in inputs], "head": head}}
+    recorded = (source.metadata or {}) if source is not None else {}
+    tasks = {(x.metadata or {}).get("task") for x in inputs}
+    if labelled and source is not None and source.label_names:
+        meta["label_names"] = list(source.label_names)
+        if head != "merged" or len(tasks) == 1:  # one task's head: evaluate defaults to that task
+            meta.update({k: recorded[k] for k in ("task", "task_source") if k in recorded})
+    meta.update({k: recorded[k] for k in ("modality", "base_model", "base_model_revision", "max_length", "data")
+                 if k in recorded})
+    return meta
 
 
 def _check_options(n: int, method: str, weights, density, choices: dict[str, tuple[str, str]]) -> float | None:
@@ -162,7 +293,7 @@ def read_input(path: str | os.PathLike) -> _Input:
         config, tensors = read_adapter_folder(p)
         tensors = TaskVector(tensors)
         return _Input(str(p), p.name, tensors, False, config.get("base_model_name_or_path"), peft_config_hash(config),
-                      config_file)
+                      config_file, adapter_label_names(p), read_metadata(p))
     if p.is_file():
         tv = TaskVector.load(p)
         header = tv.metadata
@@ -173,8 +304,9 @@ def read_input(path: str | os.PathLike) -> _Input:
     raise ConfigError(f"{p}: no such adapter folder or task-vector file")
 
 
-def _check_compatible(x: _Input, ref: _Input, head_keys: set[str], allow_head_shapes: bool) -> None:
-    """Raise a one-line error naming `x` unless it has `ref`'s base model, PEFT config, keys, shapes, dtypes."""
+def _check_compatible(x: _Input, ref: _Input, head_keys: set[str]) -> None:
+    """Raise a one-line error naming `x` unless it has `ref`'s base model, PEFT config, keys, shapes, dtypes
+    (heads' shapes are checked where heads are merged: `_check_same_heads`)."""
     if x.base_model != ref.base_model:
         raise ConfigError(f"{x.source}: base model {x.base_model!r} differs from {ref.source}'s {ref.base_model!r}")
     if x.config_hash != ref.config_hash:
@@ -187,11 +319,9 @@ def _check_compatible(x: _Input, ref: _Input, head_keys: set[str], allow_head_sh
         if key not in ref.tensors:
             raise TaskVectorError(f"{x.source}: unexpected key {key!r} ({ref.source} lacks it)")
         r = ref.tensors[key]
-        if t.shape != r.shape and not (allow_head_shapes and key in head_keys):
-            hint = ("; heads of different sizes cannot be merged (--method unify keeps one per input)"
-                    if key in head_keys else "")
+        if t.shape != r.shape and key not in head_keys:
             raise TaskVectorError(f"{x.source}: key {key!r} has shape {tuple(t.shape)}, "
-                                  f"{ref.source} has {tuple(r.shape)}{hint}")
+                                  f"{ref.source} has {tuple(r.shape)}")
         if t.dtype != r.dtype:
             raise TaskVectorError(f"{x.source}: key {key!r} has dtype {t.dtype}, {ref.source} has {r.dtype}")
 
@@ -231,9 +361,18 @@ def _unify(inputs, base, config_file, config, head_keys, rescaler, out) -> Path:
         raise ConfigError(f"{config_file}: not a PEFT config: {' '.join(str(exc).split())}") from None
     rescalers = {x.name: float(unified.rescalers[t]) for t, x in enumerate(inputs)}
     card = _card(inputs, base, "unify", {"rescaler": rescaler}, base_model)
+    label_names = {x.name: x.label_names for x in inputs if x.label_names}
+
+    def finish(staging: Path) -> None:  # each input's folder loads like the input: its tokenizer, its labels
+        for x in inputs:
+            if x.folder is not None:
+                copy_loading_files(x.folder, staging / x.name)
+            write_metadata(staging / x.name, _merged_metadata([x], x, "unify", "kept", labelled=True))
+
     try:
         return save_compact(out, peft_config=peft_config, base_model_id=base_model, init=init, unified=unified.vector,
-                            masks=masks, rescalers=rescalers, heads=heads, card=card, task_folders=True, overwrite=True)
+                            masks=masks, rescalers=rescalers, heads=heads, label_names=label_names, card=card,
+                            task_folders=True, overwrite=True, finish=finish)
     except ValueError as exc:  # e.g. an input name that cannot be a task name
         raise ConfigError(f"--method unify: {exc}") from None
 
