@@ -203,7 +203,9 @@ def _unlearn(args) -> int:
 
     mode = _unlearn_mode(args)  # flags and the run folder are checked before the engine's imports (seconds)
     check_finished_run(args.run_dir)
-    from hf_fedtask.report import unlearning_report
+    from pathlib import Path
+
+    from hf_fedtask.report import ADAPTERS_DIR, unlearning_report, where_lines
     from hf_fedtask.workflows import unlearn as workflows
 
     _set_threads(args.threads)
@@ -211,7 +213,9 @@ def _unlearn(args) -> int:
     options = {keyword: _flag_value(args, flag) for flag, keyword in mode.flags.items() if _given(args, flag)}
     results = getattr(workflows, mode.workflow)(args.run_dir, **targets, **mode.fixed, **options,
                                                  output_dir=args.output_dir, overwrite=args.overwrite)
-    print(unlearning_report(results))
+    out = Path(results["config"]["output_dir"])  # where the result went (the default is named after the run)
+    print("\n".join([unlearning_report(results), "",
+                     *where_lines(out, results, export=(out / ADAPTERS_DIR).is_dir())]))
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -275,7 +276,10 @@ class RunConfig:
             elif any(key in option_defaults(c) for c in strategy_configs().values()):
                 build_strategy_config(strategy, {key: value})  # raises: names the strategies that have it
             else:
-                raise ConfigError(f"{source}: unknown key {key!r}")
+                names = [*known, *(n for c in strategy_configs().values() for n in option_defaults(c))]
+                close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{source}: unknown key {key!r}{hint}")
         try:
             return cls(**d, strategy_options=options)
         except ConfigError as e:

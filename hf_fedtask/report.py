@@ -37,10 +37,19 @@ def run_report(config, results: dict) -> str:
     mb = (results["bytes_uplink"] + results["bytes_downlink"]) / 1e6
     lines.append(f"communication: {results['bytes_uplink']:,} bytes up, {results['bytes_downlink']:,} bytes down "
                  f"({mb:.2f} MB over {results['rounds']} rounds)")
-    lines.append(f"results: {out / 'results.json'}")
-    if (out / "accuracy_vs_round.png").exists():
-        lines.append(f"plot:    {out / 'accuracy_vs_round.png'}")
-    if config.export:
+    return "\n".join([*lines, *where_lines(out, results, export=config.export)])
+
+
+def where_lines(out: Path, results: dict, *, export: bool) -> list[str]:
+    """Where a finished run (or an unlearning's result) left its files in `out`, and how to push an adapter:
+    the lines `run` and `unlearn` end with."""
+    lines = [f"results: {out / 'results.json'}"]
+    for plot in ("accuracy_vs_round.png", "unlearning.png"):
+        if (out / plot).exists():
+            lines.append(f"plot:    {out / plot}")
+    if (out / "model.safetensors").exists():  # a client removal's model (`workflows.unlearn.REMOVED_MODEL`)
+        lines.append(f"model:   {out / 'model.safetensors'}")
+    if export:
         lines.append(f"adapters: {out / ADAPTERS_DIR}/<task>  (stock PeftModel.from_pretrained)")
         storage = results.get("compact_storage")
         if storage:
@@ -50,7 +59,7 @@ def run_report(config, results: dict) -> str:
         first = next(iter(results["tasks"]))
         lines.append(f"push:    hf-fedtask push {out / ADAPTERS_DIR / first} "
                      f"--repo-id <you>/{results['strategy']}-{first}")
-    return "\n".join(lines)
+    return lines
 
 
 def evaluated(history: list[dict]) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -52,21 +53,37 @@ def _digest(run_dir) -> str:
 # -- the device -----------------------------------------------------------------------------------
 # The checkpoints of these runs as the release before `--device` existed (fb5bac1) wrote them (same tiny
 # model, tasks and settings, torch 2.13 CPU), by the CPU kernels torch dispatches to: float results differ
-# between an AVX512 and an AVX2 machine, so each is compared with that release run on the same kind (AVX512:
-# an Intel Xeon; AVX2: an AMD EPYC, where fb5bac1 gave these two). A CPU run stays bit for bit what it was.
-BEFORE_DEVICES = {"AVX512": {"fedavg": "b30bda2ac972e60b", "scaffold": "97050fcdea5ad90c"},
-                  "AVX2": {"fedavg": "77ad98296ab757b1", "scaffold": "e99817377371af9b"}}
+# between an AVX512 and an AVX2 machine, and between vendors with the same ISA (oneDNN/MKL take other paths
+# on AMD than on Intel), so each is compared with that release run on the same kind, keyed by (capability,
+# vendor): an AVX512 Intel Xeon, an AVX2 AMD EPYC and an AVX512 AMD EPYC, where fb5bac1 gave these. A CPU
+# run stays bit for bit what it was.
+BEFORE_DEVICES = {("AVX512", "GenuineIntel"): {"fedavg": "b30bda2ac972e60b", "scaffold": "97050fcdea5ad90c"},
+                  ("AVX2", "AuthenticAMD"): {"fedavg": "77ad98296ab757b1", "scaffold": "e99817377371af9b"},
+                  ("AVX512", "AuthenticAMD"): {"fedavg": "57b8958703f15b24", "scaffold": "7597ee9071a44faa"}}
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
 def test_a_cpu_run_is_bit_for_bit_the_release_before_devices(strategy, tiny_bert_dir, tiny_tasks_dir, tmp_path):
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in BEFORE_DEVICES:
-        pytest.skip(f"no checkpoint of the release before devices recorded for {capability} CPU kernels")
+    kind = (torch.backends.cpu.get_cpu_capability(), _cpu_vendor())
+    if kind not in BEFORE_DEVICES:
+        pytest.skip(f"no checkpoint of the release before devices recorded for {kind[0]} CPU kernels on a "
+                    f"{kind[1]} CPU (recorded: {', '.join(f'{c} {v}' for c, v in BEFORE_DEVICES)})")
     extra = {"optimizer": "sgd"} if strategy == "scaffold" else {}
     config = _config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "run", strategy=strategy, device="cpu", **extra)
     run(config)
-    assert _digest(tmp_path / "run") == BEFORE_DEVICES[capability][strategy]
+    assert _digest(tmp_path / "run") == BEFORE_DEVICES[kind][strategy]
 
 
 def test_device_values_are_checked_in_one_line(tiny_bert_dir, tiny_tasks_dir, tmp_path):

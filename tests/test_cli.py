@@ -146,3 +146,39 @@ def test_export_of_a_finished_run_whose_datasets_are_gone(tiny_config, tiny_task
     assert after.keys() == before.keys() and len(after) >= 2
     for name, tensors in before.items():
         assert tensors.keys() == after[name].keys() and all((tensors[k] == after[name][k]).all() for k in tensors)
+
+
+def test_run_says_what_was_asked_for_at_the_start_and_the_privacy_spent_at_the_end(tiny_config, capsys):
+    """A DP run used to print no σ or ε (only results.json had them): the start names the strategy, clients,
+    model, device, precision, processes, threads and the DP settings, before anything is written; the end
+    gives ε at δ as results.json records it."""
+    c = tiny_config
+    argv = ["run", "--tasks", *c.tasks, "--base-model", c.base_model, "--base-model-id", c.base_model_id,
+            "--num-clients", "4", "--participation", "0.5", "--rounds", "1", "--batch-size", "8", "--local-steps",
+            "1", "--max-length", "16", "--min-samples", "4", "--output-dir", c.output_dir, "--threads", "1",
+            "--dp-clip", "1", "--dp-noise-multiplier", "1.5", "--dp-noise-seed", "0", "--no-export"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"run: fedavg on 2 tasks, 4 clients, 2 per round (participation 0.5), 1 rounds -> {c.output_dir}"
+    assert out[1].startswith(f"model: {c.base_model} (lora r = 8); device cpu; precision fp32; 1 process; "
+                             "torch threads 1 (--threads)")
+    assert out[2].startswith("privacy: client-level DP, clip C = 1, noise multiplier sigma = 1.5 (epsilon = ")
+    assert out[2].endswith("delta = 1e-05, noise drawn on the server; noise seed given: reproducible, not private")
+    privacy = json.loads((Path(c.output_dir) / "results.json").read_text())["privacy"]
+    assert out[-1] == (f"privacy spent: epsilon = {privacy['epsilon']:.3g} at delta = 1e-05 after 1 rounds "
+                       "(client-level; sigma = 1.5, clip C = 1)")
+    assert f"(epsilon = {privacy['epsilon']:.3g} after 1 rounds)" in out[2]  # the start's estimate is what was spent
+
+
+def test_a_refused_run_prints_no_settings(tiny_config, capsys):
+    """The settings are printed once every check passed: a refusal that needs the model stays one error line on
+    stderr (after transformers' own weight-loading bar), nothing on stdout."""
+    c = tiny_config
+    argv = ["run", "--tasks", *c.tasks, "--base-model", c.base_model, "--num-clients", "4", "--rounds", "1",
+            "--output-dir", c.output_dir, "--strategy", "fedyolo", "--secure-aggregation", "--participation", "0.25"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error" in line]
+    assert captured.out == "" and len(errors) == 1 and captured.err.strip().splitlines()[-1] == errors[0]
+    assert "secure_aggregation needs at least 2 clients per round" in errors[0]
+    assert not Path(c.output_dir).exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -162,3 +163,81 @@ def test_unknown_strategy_is_the_same_error_with_or_without_the_strategies():
             lookup("fedsgd")
         messages.append(str(e.value))
     assert messages[0] == messages[1] and messages[0].startswith("unknown strategy 'fedsgd'; choose one of f2l2")
+
+
+# runs in a fresh interpreter: each argv through `hf_fedtask.cli.main`, its exit code, stderr, and whether torch or
+# transformers had been imported when the refusal was printed
+_REFUSALS_PROBE = textwrap.dedent("""
+    import contextlib, io, json, sys
+
+    from hf_fedtask.cli import main
+
+    report = []
+    for argv in json.loads(sys.argv[1]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's own errors
+                code = e.code
+        report.append({{"argv": argv, "code": code, "err": err.getvalue(),
+                        "heavy": sorted(m for m in {heavy!r} if m in sys.modules)}})
+    print(json.dumps(report))
+""")
+
+
+def test_refusals_that_need_no_model_answer_before_torch_is_imported(tmp_path):
+    """Typos in flags, wrong types, missing values, an unusable run folder and an unloadable base model each end
+    with one line on stderr and exit 2 before torch or transformers is imported (they used to take 7-22 s: the
+    engine was imported before the config was checked), and leave the working folder as it was."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    out = str(tmp_path / "out")
+    cases = [  # argv, what the one line must say
+        (["run", "--rounds", "-1"], "rounds: must be >= 1, got -1"),
+        (["run", "--strategy", "fedsgd"], "unknown strategy 'fedsgd'"),
+        (["run", "--participation", "2"], "participation: must be in (0.0, 1.0], got 2.0"),
+        (["run", "--dp-delta", "1"], "dp_delta: must be in (0.0, 1.0), got 1.0"),
+        (["run", "--stratgy", "fedavg"], "unrecognized arguments: --stratgy fedavg (did you mean --strategy?)"),
+        (["run", "--rounds", "abc"], "argument --rounds: invalid int value: 'abc'"),
+        (["run", "--participation", "x"], "argument --participation: invalid float value: 'x'"),
+        (["run", "--rounds"], "argument --rounds: expected one argument"),
+        (["run", "--threads", "0"], "argument --threads: expected a number of threads >= 1, got '0'"),
+        (["rn"], "invalid choice: 'rn'"),
+        (["run", "--base-model", "./no_such_folder"], "--base-model ./no_such_folder: no such folder"),
+        (["run", "--base-model", "sentence-transformers/all-MiniLM-L6-v3"],
+         "--base-model sentence-transformers/all-MiniLM-L6-v3: not in the Hub cache and HF_HUB_OFFLINE=1"),
+        (["run", "--tasks", "./no_such_data"], "--tasks ./no_such_data: no such folder or file"),
+        (["run", "--num-clients", "2"], "2 clients cannot cover the 8 tasks"),
+        (["run", "--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["run", "--output-dir", str(a_file)], "exists and is not a directory"),
+        (["run", "--output-dir", str(a_file / "sub")], f"{a_file} is a file, not a folder"),
+        (["unlearn", str(tmp_path / "no_run"), "--task", "x", "--rounds", "1"], "not a finished hf_fedtask run"),
+        (["unlearn", str(tmp_path / "no_run"), "--task", "x"], "federated unlearning needs --rounds R"),
+        (["export", str(tmp_path / "no_run")], "not a finished hf_fedtask run"),
+    ]
+    if sys.platform == "linux":  # no folder can be made under /proc, even by root (whose os.access says yes)
+        cases.append((["run", "--output-dir", "/proc/hf-fedtask-x"], "no folder can be made in /proc"))
+    argvs = [argv if argv[0] != "run" or "--output-dir" in argv else [*argv, "--output-dir", out]
+             for argv, _ in cases]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = subprocess.run([sys.executable, "-c", _REFUSALS_PROBE.format(heavy=HEAVY), json.dumps(argvs)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    for (argv, says), got in zip(cases, report, strict=True):
+        lines = got["err"].strip().splitlines()
+        assert got["code"] == 2 and len(lines) == 1 and "error" in lines[0], (argv, got)
+        assert says in lines[0], (argv, lines[0])
+        assert "torch" not in got["heavy"] and "transformers" not in got["heavy"], (argv, got["heavy"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing made, not even runs/default
+
+
+def test_run_help_shows_each_options_default():
+    """`run --help` names the defaults a quick-tour line without the flag gets (they collided in runs/default)."""
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["run"].format_help().split())
+    for says in ("(default: fedavg)", "(default: builtin-8)", "communication rounds (>= 1) (default: 3)",
+                 "(default: runs/default)", "(default: sentence-transformers/all-MiniLM-L6-v2)",
+                 "exports) when the run ends (default: true)", "[fedprox, ntkfedprox] (>= 0) (default: 0.01)"):
+        assert says in help_text, says

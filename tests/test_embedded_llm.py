@@ -66,6 +66,8 @@ def test_conversion_places_every_pinned_file(llm_cache):
     assert ref.load_path == str(snap) and ref.model_id == EMBEDDED_LLM
     assert ref.revision == f"sha256:{PINNED_FILES['model.safetensors']}"
     assert stderr.count(NOTICE) == 1 and str(snap.parents[1]) in stderr
+    assert "converting the embedded SmolLM2-135M-Instruct (once, about 30 s)" in stderr  # the ~30 s have a bar
+    assert "reading and dequantizing the weights" in stderr  # naming its step
     assert re.fullmatch(r"[0-9a-f]{40}", EMBEDDED_LLM_REVISION) and snap.name == EMBEDDED_LLM_REVISION
     assert (snap.parents[1] / "refs" / "main").read_text() == EMBEDDED_LLM_REVISION
     assert sorted(p.name for p in snap.iterdir()) == sorted(PINNED_FILES)

@@ -23,7 +23,8 @@ from test_flower import assert_same_run, drive, records, tiny
 from test_flower_worker_guard import header
 
 from hf_fedtask.engine.flower import handler
-from hf_fedtask.engine.flower.worker import ClientRequest, Worker, _authenticated, forward
+from hf_fedtask.engine.flower.request import ClientRequest
+from hf_fedtask.engine.flower.worker import Worker, _authenticated, forward
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.errors import WorkerError
 

@@ -20,15 +20,8 @@ from multiprocessing.connection import Listener
 import pytest
 
 from hf_fedtask.engine.flower import worker as worker_module
-from hf_fedtask.engine.flower.worker import (
-    FIELDS,
-    KEY_BYTES,
-    ClientRequest,
-    ClientResult,
-    Worker,
-    _authenticated,
-    forward,
-)
+from hf_fedtask.engine.flower.request import FIELDS, ClientRequest, ClientResult
+from hf_fedtask.engine.flower.worker import KEY_BYTES, Worker, _authenticated, forward
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.errors import WorkerError
 

@@ -1,10 +1,13 @@
 """The package's import layering: core imports only core and errors, lower layers never import the
-layers above them, and the graph of subpackage-level layers has no cycle. The CLI's start-up path (the
-modules `hf_fedtask.cli` imports at module level, transitively) imports no heavy third-party package."""
+layers above them, the graph of subpackage-level layers has no cycle, and neither has the graph of modules
+(every import, deferred ones in functions included; those under `if TYPE_CHECKING:` excepted, since they
+never run). The CLI's start-up path (the modules `hf_fedtask.cli` imports at module level, transitively)
+imports no heavy third-party package."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import hf_fedtask
@@ -22,10 +25,23 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _import_graph() -> dict[str, set[tuple[str, int, str]]]:
+def _imports(nodes: Iterable[ast.AST], type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in `nodes`, at any depth; those under `if TYPE_CHECKING:` only when
+    `type_checking` (its `else:` branch runs, so it always counts)."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _imports(node.orelse, type_checking)
+        else:
+            yield from _imports(ast.iter_child_nodes(node), type_checking)
+
+
+def _import_graph(type_checking: bool = True) -> dict[str, set[tuple[str, int, str]]]:
     """Module -> {(imported hf_fedtask module, line, source line)}: absolute and relative imports, at any
-    depth (inside functions and `if TYPE_CHECKING:` too); `from pkg import name` counts as `pkg.name`
-    when that is a module, and as the lazily loaded module for `hf_fedtask`'s lazy names."""
+    depth (inside functions too, and under `if TYPE_CHECKING:` when `type_checking`); `from pkg import
+    name` counts as `pkg.name` when that is a module, and as the lazily loaded module for `hf_fedtask`'s
+    lazy names."""
     modules = _modules()
     lazy = {name: f"hf_fedtask.{target}" for name, target in hf_fedtask._LAZY.items()}
     graph = {}
@@ -34,7 +50,7 @@ def _import_graph() -> dict[str, set[tuple[str, int, str]]]:
         lines = source.splitlines()
         package = name if is_package else name.rpartition(".")[0]
         edges = set()
-        for node in ast.walk(ast.parse(source, filename=str(path))):
+        for node in _imports([ast.parse(source, filename=str(path))], type_checking):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -109,6 +125,69 @@ def test_import_graph_is_layered_and_acyclic():
 
     for layer in sorted(layers):
         visit(layer)
+
+
+def _cycles(graph: dict[str, set[tuple[str, int, str]]]) -> list[tuple[list[str], list[tuple[str, int, str]]]]:
+    """Each strongly connected component of more than one module (Tarjan's algorithm) and a shortest
+    cycle through its first module: the cycle's edges as (module, line, source line of the import that
+    leads to the next module)."""
+    adjacent = {m: sorted({t for t, _, _ in edges if t in graph and t != m}) for m, edges in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def connect(module):  # recursive: the package's import chains are a few dozen modules deep at most
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in adjacent[module]:
+            if target not in index:
+                connect(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = set()
+            while module not in component:  # the stack down to `module` is its component
+                component.add(stack.pop())
+            if len(component) > 1:
+                components.append(component)
+
+    for module in sorted(adjacent):
+        if module not in index:
+            connect(module)
+    cycles = []
+    for component in components:  # walk from the component's first module back to it, inside it
+        start = min(component)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            module = queue.pop(0)
+            for target in adjacent[module]:
+                if target == start:
+                    path = [*paths[module], start]
+                    queue = []
+                    break
+                if target in component and target not in paths:
+                    paths[target] = [*paths[module], target]
+                    queue.append(target)
+        cycles.append((sorted(component), [(a, line, text) for a, b in zip(path, path[1:])
+                                           for line, text in [min((ln, tx) for t, ln, tx in graph[a] if t == b)]]))
+    return cycles
+
+
+def test_module_import_graph_has_no_cycle():
+    """No module imports, directly or through others, a module that imports it back: not at module level
+    and not inside a function either (a deferred import hides a circle, it does not remove it). Imports
+    under `if TYPE_CHECKING:` are left out, since they never run; they are for annotations only."""
+    graph = _import_graph(type_checking=False)
+    assert _cycles({"a": {("b", 1, "import b")}, "b": {("a", 2, "import a")}, "c": {("a", 3, "import a")}}) == [
+        (["a", "b"], [("a", 1, "import b"), ("b", 2, "import a")])]
+    assert any(t == "hf_fedtask.engine.flower.handler" for t, _, _ in graph["hf_fedtask.engine.flower.worker"])
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        f"  among {', '.join(component)}:\n    " + " -> ".join([*(m for m, _, _ in cycle), cycle[0][0]]) + "".join(
+            f"\n      {m}:{line}: {text}" for m, line, text in cycle) for component, cycle in cycles)
 
 
 # third-party packages the CLI's start-up must not import (seconds each: `hf-fedtask --help` stays quick);

@@ -268,3 +268,39 @@ def test_lora_rule_steps_aside_for_disabled_adapters(lora_model, batch):
         with model.disable_adapter():
             assert torch.allclose(model(**x).logits, base_logits, atol=1e-12)
         assert not torch.allclose(model(**x).logits, base_logits, atol=1e-6)
+
+
+
+def test_readme_sequence_both_modes_on_one_peft_model(lora_model, batch):
+    """The README's quick tour builds `LinearizedModel(peft_model)` and then
+    `LinearizedModel(peft_model, mode="lora_layers")` on one PEFT model: both then train (forward and
+    backward) and compute, loss and gradients alike, what each computes on a model of its own; the
+    model itself stays the ordinary one (the L-LoRA layers are in place only during that wrapper's forward)."""
+    import copy
+
+    peft_model = lora_model.eval()
+    ordinary = copy.deepcopy(peft_model)
+    alone = {mode: LinearizedModel(copy.deepcopy(peft_model), mode=mode).eval() for mode in ("network", "lora_layers")}
+    lin = LinearizedModel(peft_model)  # the README's two lines, in its order
+    lin_lora = LinearizedModel(peft_model, mode="lora_layers")
+    d = random_direction(peft_model, scale=0.05)
+    for model in (peft_model, ordinary, *(w.model for w in alone.values())):
+        shift(model, d)
+    x = inputs_of(batch)
+    for mode, wrapper in (("network", lin), ("lora_layers", lin_lora)):
+        params = list(trainable(peft_model).values())
+        out = wrapper.eval()(**batch)
+        grads = torch.autograd.grad(out.loss, params)
+        ref = alone[mode](**batch)
+        ref_grads = torch.autograd.grad(ref.loss, list(trainable(alone[mode].model).values()))
+        assert torch.allclose(out.logits, ref.logits, atol=1e-10)
+        for g, r in zip(grads, ref_grads, strict=True):
+            assert torch.allclose(g, r, atol=1e-10)
+        assert all(g.abs().max() > 0 for g in grads)
+        assert not torch.allclose(out.logits, ordinary(**x).logits, atol=1e-6)  # linearized, not the model
+    assert torch.allclose(peft_model(**x).logits, ordinary(**x).logits, atol=1e-12)
+    assert not torch.allclose(lin(**x).logits, lin_lora(**x).logits, atol=1e-6)
+    lin_lora.restore()
+    lin.restore()
+    assert not any("forward" in vars(m) for m in peft_model.modules())
+    assert peft_model.config._attn_implementation == ordinary.config._attn_implementation

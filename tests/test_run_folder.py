@@ -154,3 +154,39 @@ def test_resumed_checkpoint_equals_uninterrupted_in_every_tensor_and_header_fiel
             tensors.append({k: s.get_tensor(k) for k in s.keys()})
     assert headers[0] == headers[1]
     assert tensors[0].keys() == tensors[1].keys() and all((tensors[0][k] == tensors[1][k]).all() for k in tensors[0])
+
+
+def test_unlearn_prints_its_folder_and_a_rerun_suggests_what_works(tiny_config, tmp_path, capsys):
+    """`hf-fedtask unlearn` ends, as `run` does, with where its result is; a one-shot unlearn run again into
+    the same folder has nothing to resume, so its refusal names --overwrite or another --output-dir (and
+    --overwrite then works); a federated one, a run, is resumable and says so."""
+    from conftest import make_config
+
+    config = make_config(tiny_config.base_model, tiny_config.tasks, tmp_path / "run",
+                         strategy_options={"track_task_vectors": True})
+    federation.run(config)
+    run_dir = Path(config.output_dir)
+    capsys.readouterr()
+    one_shot = ["unlearn", str(run_dir), "--task", "colors", "--one-shot"]
+    assert main(one_shot) == 0
+    out = run_dir.with_name("run-negate-colors")
+    printed = capsys.readouterr().out.splitlines()
+    assert f"results: {out / 'results.json'}" in printed and (out / "results.json").is_file()
+    assert f"adapters: {out / 'adapters'}/<task>  (stock PeftModel.from_pretrained)" in printed
+    assert json.loads((out / "results.json").read_text())["config"]["output_dir"] == str(out)
+    before = _snapshot(out)
+    assert main(one_shot) == 2
+    line = _one_line_error(capsys, str(out), "nothing to resume", "--overwrite", "--output-dir")
+    assert "--resume" not in line
+    assert _snapshot(out) == before
+    assert main([*one_shot, "--overwrite"]) == 0
+    assert f"results: {out / 'results.json'}" in capsys.readouterr().out.splitlines()
+
+    federated = ["unlearn", str(run_dir), "--task", "colors", "--rounds", "1", "--output-dir", str(tmp_path / "fed")]
+    assert main(federated) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert f"results: {tmp_path / 'fed' / 'results.json'}" in printed
+    assert f"plot:    {tmp_path / 'fed' / 'unlearning.png'}" in printed
+    assert main(federated) == 2
+    _one_line_error(capsys, "--resume", "--overwrite")  # a run: resuming it is what works
+    assert main([*federated, "--resume"]) == 0

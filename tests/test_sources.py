@@ -47,6 +47,28 @@ def test_jsonl_needs_explicit_columns_when_not_detectable(tmp_path):
     assert task.text_column == "sentence" and task.label_names == ["t0", "t1", "t2"]
 
 
+@pytest.mark.parametrize("header,missing,accepted", [
+    ("review,stars", "label", "label, labels, class, answer"),
+    ("body,label", "input", "an Image column, text, sentence, content, review, document, tweet, utterance, "
+                            "question, prompt"),
+])
+def test_a_csv_with_unknown_columns_is_one_line_naming_what_to_rename_via_the_cli(
+        header, missing, accepted, tiny_bert_dir, tmp_path, capsys):
+    from hf_fedtask.cli import main
+
+    path = tmp_path / "reviews.csv"
+    path.write_text(header + "\n" + "".join(f"review {i},{i % 2}\n" for i in range(20)))
+    rc = main(["run", "--tasks", str(path), "--suite", "", "--base-model", tiny_bert_dir,
+               "--output-dir", str(tmp_path / "run")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (a loading progress bar may come first)
+    flag = "label" if missing == "label" else "text"
+    assert rc == 2 and last == (
+        f"hf-fedtask: error: {path}: no {missing} column found (looked for {accepted}; its columns are "
+        f"{header.replace(',', ', ')}); rename its {missing} column to one of those names (from Python: "
+        f"load_task(ref, {flag}_column=NAME))")
+    assert not (tmp_path / "run").exists()
+
+
 def test_save_to_disk_round_trip(tmp_path):
     feats = Features({"text": Value("string"), "label": ClassLabel(names=["no", "yes"])})
     dd = DatasetDict({

@@ -79,12 +79,12 @@ def test_placement_lays_out_the_hub_cache_and_never_overwrites(tmp_path):
 def test_placement_refuses_files_that_do_not_match_and_writes_nothing(tmp_path, monkeypatch):
     import shutil
 
-    from hf_fedtask.model import backbone
+    from hf_fedtask.model import hub_cache
 
     copy = tmp_path / "pkg"
-    shutil.copytree(backbone.embedded_default_path(), copy, symlinks=False)
+    shutil.copytree(hub_cache.embedded_default_path(), copy, symlinks=False)
     (copy / "vocab.txt").write_text("tampered")
-    monkeypatch.setattr(backbone, "embedded_default_path", lambda: copy)
+    monkeypatch.setattr(hub_cache, "embedded_default_path", lambda: copy)
     with pytest.raises(ConfigError, match=r"vocab.txt: SHA-256 .* is not the pinned"):
         place_embedded_backbone(tmp_path / "hub")
     assert not (tmp_path / "hub").exists()

@@ -140,8 +140,10 @@ def _pick_column(ref: str, columns: list[str], explicit: str | None, candidates:
     for c in candidates:
         if c in columns:
             return c
-    raise DataError(f"{ref}: no {what} column found (looked for {looked_for}{', '.join(candidates)}); "
-                    f"pass {flag or what}_column= one of {', '.join(columns)}")
+    # what the CLI can do is rename (`--tasks` takes refs alone); Python callers may name the column instead
+    raise DataError(f"{ref}: no {what} column found (looked for {looked_for}{', '.join(candidates)}; its columns are "
+                    f"{', '.join(columns)}); rename its {what} column to one of those names (from Python: "
+                    f"load_task(ref, {flag or what}_column=NAME))")
 
 
 def _encode_labels(data: DatasetDict, label_col: str) -> DatasetDict:

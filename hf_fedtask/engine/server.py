@@ -22,6 +22,7 @@ import numpy as np
 
 from hf_fedtask.client.evaluation import generation_exact_match, predict, score
 from hf_fedtask.core.files import write_atomic
+from hf_fedtask.core.progress import progress_bar
 from hf_fedtask.core.state import GlobalState
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import pack_vectors
@@ -253,18 +254,25 @@ class Server:
         return self.evaluate_tasks(state, names, stores)
 
     def evaluate_tasks(self, state: GlobalState, names: list[str], stores: dict | None = None) -> dict[str, dict]:
-        """`evaluate` of the server-evaluated tasks `names` (in that order)."""
+        """`evaluate` of the server-evaluated tasks `names` (in that order), with one delayed progress bar over
+        every example it scores (`hf_fedtask.core.progress`: shown once it lasts, gone when done)."""
+        env, linearized = self.env, self.strategy.capabilities.linearized
+        backdoor = [t for t in env.backdoor_tasks if t in names]
+        total = (sum(len(env.test_data(n)) for n in names) * (2 if linearized else 1)
+                 + sum(len(env.backdoor_test_data(t)) for t in backdoor))
         out = {}
-        for name in names:
-            t = self.env.task_by_name[name]
-            out[t.name] = score(self.predict(state, t.name, self.env.test_data(t.name), stores),
-                                self.env.test_data(t.name), t.metric)
-            if self.strategy.capabilities.linearized:
-                preds = self.predict(state, t.name, self.env.test_data(t.name), stores, nonlinear=True)
-                out[t.name][f"{t.metric}_nonlinear"] = score(preds, self.env.test_data(t.name), t.metric)[t.metric]
-        for task in self.env.backdoor_tasks:
-            if task in out:
-                preds = self.predict(state, task, self.env.backdoor_test_data(task), stores)
+        with progress_bar(desc=f"round {state.round} evaluate", total=total, unit="ex", leave=False) as bar:
+            for name in names:
+                t = env.task_by_name[name]
+                bar.set_postfix_str(t.name, refresh=False)
+                out[t.name] = score(self.predict(state, t.name, env.test_data(t.name), stores, progress=bar),
+                                    env.test_data(t.name), t.metric)
+                if linearized:
+                    preds = self.predict(state, t.name, env.test_data(t.name), stores, nonlinear=True, progress=bar)
+                    out[t.name][f"{t.metric}_nonlinear"] = score(preds, env.test_data(t.name), t.metric)[t.metric]
+            for task in backdoor:
+                bar.set_postfix_str(f"{task} (backdoor)", refresh=False)
+                preds = self.predict(state, task, env.backdoor_test_data(task), stores, progress=bar)
                 out[task][BACKDOOR_METRIC] = success_rate(preds, self.config.backdoor_target)
         return out
 
@@ -273,38 +281,45 @@ class Server:
         e.g. MaTU's all-task unification), for strategies that export one; {} otherwise."""
         if "compact" not in self.strategy.capabilities.exports:
             return {}
-        host, batch, view = self.env.host, self.config.eval_batch_size, self.env.task_view
-        return {t.name: score(predict(host, view(self.strategy.compact_task_parameters(state, t.name), t.name),
-                                      self.env.test_data(t.name), batch),
-                              self.env.test_data(t.name), t.metric)[t.metric]
-                for t in self.env.tasks}
+        host, batch, view, tasks = self.env.host, self.config.eval_batch_size, self.env.task_view, self.env.tasks
+        with progress_bar(desc="evaluate the compact export", total=sum(len(self.env.test_data(t.name)) for t in tasks),
+                          unit="ex", leave=False) as bar:
+            return {t.name: score(predict(host, view(self.strategy.compact_task_parameters(state, t.name), t.name),
+                                          self.env.test_data(t.name), batch, progress=bar),
+                                  self.env.test_data(t.name), t.metric)[t.metric]
+                    for t in tasks}
 
     def evaluate_generation(self, state: GlobalState, stores: dict | None = None) -> dict[str, float]:
         """Each task's exact match of greedy answers with its label words (`generation_eval`, a causal LM
         only): what a stock text-generation pipeline answers, where the metric scores choices."""
-        host = self.env.host
-        return {t.name: generation_exact_match(host, self.env.task_view(self.strategy.task_parameters(
-                    state, t.name, stores), t.name), self.env.test_data(t.name), t.label_names,
-                    self.config.eval_batch_size)
-                for t in self.env.tasks}
+        host, tasks = self.env.host, self.env.tasks
+        with progress_bar(desc="generation eval", total=sum(len(self.env.test_data(t.name)) for t in tasks),
+                          unit="ex", leave=False) as bar:
+            return {t.name: generation_exact_match(host, self.env.task_view(self.strategy.task_parameters(
+                        state, t.name, stores), t.name), self.env.test_data(t.name), t.label_names,
+                        self.config.eval_batch_size, progress=bar)
+                    for t in tasks}
 
     def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,
-                nonlinear: bool = False) -> np.ndarray:
+                nonlinear: bool = False, progress=None) -> np.ndarray:
         """The federated model's predictions for `task` on prepared `data`: the strategy's own model
         (e.g. TCT's stage 2), the linearized model of linearized strategies (or, `nonlinear`, the
         ordinary model at the same parameters), or the host model carrying the task's parameters
-        (its own rows of a shared head, `Environment.task_view`)."""
+        (its own rows of a shared head, `Environment.task_view`). `progress`: a bar advanced by the
+        examples scored."""
         strategy, host, batch = self.strategy, self.env.host, self.config.eval_batch_size
         preds = None if nonlinear else strategy.predict(state, task, host, data, batch)
         if preds is not None:
+            if progress is not None:  # the strategy's own model scored them, without a bar
+                progress.update(len(data))
             return preds
         params = self.env.task_view(strategy.task_parameters(state, task, stores), task)
         if nonlinear or not strategy.capabilities.linearized:
-            return predict(host, params, data, batch)
+            return predict(host, params, data, batch, progress=progress)
         point = strategy.linearization_point(state, task)  # None: a phase without one (the ordinary model)
         return predict(host, params, data, batch,
                        linearize_at=None if point is None else self.env.task_view(point, task),
-                       linearization=strategy.linearization)
+                       linearization=strategy.linearization, progress=progress)
 
     def _evaluate_on_clients(self, state: GlobalState, transport: Transport) -> dict[str, dict]:
         """Every holder evaluates its own model of each of its tasks on the task's test split; a task's

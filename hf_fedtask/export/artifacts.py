@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_fedtask.core.files import remove_stale_staging
+from hf_fedtask.core.progress import progress_bar
 from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
 from hf_fedtask.export.adapter import classifier_config_for, save_adapter
 from hf_fedtask.export.compact import save_compact
@@ -101,11 +102,19 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
     # call under the run folder's lock (`hf_fedtask.core.files.folder_lock`): it clears stale staging folders
     """`run_dir/adapters/<task>/`: a stock PEFT adapter (shared modules + the task's head) per task.
     Strategies with a compact form (MaTU) also get `run_dir/compact/` (one unified vector, T
-    bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned."""
-    peft_config = spec.peft_config
+    bit-packed masks and rescalers; `hf_fedtask.load_task_adapter`), whose path is returned. A delayed
+    progress bar on stderr counts the tasks and the packages after them (`hf_fedtask.core.progress`)."""
     # the declared exports, each through the hook it comes with: linearized (`Linearized`), tct (`Packaging`),
     # compact (`CompactExport`); the strategy contract test keeps declarations and hooks together
     exports = spec.strategy.capabilities.exports
+    steps = len(spec.tasks) + sum(kind in exports for kind in ("tct", "multi_adapter", "compact"))
+    with progress_bar(desc="export", total=steps, unit="step", leave=False) as bar:
+        return _export(spec, state, results, run_dir, exports, bar)
+
+
+def _export(spec: RunExport, state: GlobalState, results: dict, run_dir: Path, exports, bar) -> Path | None:
+    """`export_adapters`' work, `bar` advanced after each task and each package."""
+    peft_config = spec.peft_config
     for folder in (run_dir, run_dir / ADAPTERS_DIR, run_dir / LINEARIZED_DIR, run_dir / TCT_DIR):  # a killed export's
         remove_stale_staging(folder)
     cards = {}
@@ -113,6 +122,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
     metrics = {name: {r["metric"]: r.get(f"{r['metric']}_nonlinear", r[r["metric"]])}
                for name, r in results["tasks"].items()}
     for task in spec.tasks:
+        bar.set_postfix_str(task.name, refresh=False)
         info = {
             "base_model": spec.base_model_id,
             "task": task.name,
@@ -151,6 +161,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                             mode=spec.strategy.linearization,
                             info={"task": task.name, "metrics": {k: v for k, v in results["tasks"][task.name].items()
                                                                  if k.startswith(task.metric)}})
+        bar.update()
     if "tct" in exports:
         for task in spec.tasks:
             package = spec.strategy.package(state, task.name)
@@ -161,6 +172,7 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                          base_model_id=spec.base_model_id, card=_tct_card(spec, task, r, results),
                          info={"task": task.name, "label_names": task.label_names,
                                "metrics": {task.metric: r[task.metric]}})
+        bar.update()
     if "multi_adapter" in exports:
         save_multi_adapter(run_dir / MULTI_ADAPTER_DIR, peft_config=peft_config,
                            task_states={t.name: spec.task_view(spec.strategy.task_parameters(state, t.name), t.name)
@@ -170,9 +182,10 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
                            classifier_configs={t.name: spec.labelled_config(t) for t in spec.tasks},
                            processor=spec.processor,
                            metadata={t.name: spec.metadata(t, results, metrics[t.name]) for t in spec.tasks})
+        bar.update()
     if "compact" not in exports:
         return None
-    return save_compact(
+    compact = save_compact(
         run_dir / COMPACT_DIR,
         peft_config=peft_config,
         base_model_id=spec.base_model_id,
@@ -183,6 +196,8 @@ def export_adapters(spec: RunExport, state: GlobalState, results: dict, run_dir:
         card=_compact_card(spec, results),
         overwrite=True,
     )
+    bar.update()
+    return compact
 
 
 def subset_note(config: RunConfig, result: dict) -> str | None:

@@ -70,8 +70,11 @@ def _load_adapter(adapter_dir: str | Path, max_length: int = DEFAULT_MAX_LENGTH,
 def _peft_model(base, adapter_dir: Path, base_id: str):
     from peft import PeftModel
 
+    from hf_fedtask.model.backbone import quiet_peft_wrap
+
     try:
-        return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        with quiet_peft_wrap():
+            return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         raise FedTaskError(f"{adapter_dir}: does not load onto {base_id} ({str(e).splitlines()[0]})") from None
 

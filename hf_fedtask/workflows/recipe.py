@@ -99,9 +99,10 @@ def _accelerate_default_of_one() -> bool:
 
 
 def set_threads(requested: int | None) -> str:
-    """Set torch's CPU threads for a recipe and say where the number came from: `--threads`, else the
-    user's OMP_NUM_THREADS, else every core this process may use (replacing `accelerate launch`'s
-    default of one thread, which leaves a 2-core machine half idle)."""
+    """Set torch's CPU threads for a recipe (or `hf-fedtask run` / `unlearn`, whose `--threads` is this) and
+    say where the number came from: `--threads`, else the user's OMP_NUM_THREADS, else every core this
+    process may use (replacing `accelerate launch`'s default of one thread, which leaves a 2-core machine
+    half idle)."""
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

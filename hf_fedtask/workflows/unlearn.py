@@ -110,7 +110,7 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     out = (Path(output_dir) if output_dir is not None
            else run_dir.with_name(f"{run_dir.name}-negate-{_run_name_part(task)}"))
     config = dataclasses.replace(load_run_config(run_dir), output_dir=str(out))
-    check_output_dir(config, resume=False, overwrite=overwrite)
+    _check_one_step_output(config, overwrite, "one-shot negation")
     state, history = finished.state, finished.history
     tau = _task_vector(state, task, task_vector, env)
     server = Server(env)
@@ -121,16 +121,28 @@ def negate_task(run_dir: str | Path, task: str, *, scale: float = 1.0, task_vect
     after = server.evaluate(state, stores=finished.stores)
     record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
     results = summarize_results(env, state, [*history, record])
+    results["config"] = config.to_dict()  # the run's, written to `out` (where results.json says it is)
     results["unlearning"] = {"method": "one-shot: the task's vector, scaled, was subtracted from the merged model",
                              "tasks": [task], "scale": scale,
                              "task_vector": str(task_vector or tracked_task_vector_name(task)),
                              "before": before, "after": after}
     with folder_lock(out):
-        check_output_dir(config, resume=False, overwrite=overwrite)
+        _check_one_step_output(config, overwrite, "one-shot negation")
         out = claim_output_dir(config, overwrite=overwrite)
         export_adapters(run_export(env, finished.stores), state, results, out)
         write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results
+
+
+def _check_one_step_output(config, overwrite: bool, what: str) -> None:
+    """`check_output_dir` for a result made in one step (a one-shot negation, a client removal): there is
+    nothing to resume, so a folder that already holds one is refused naming what does work."""
+    out = Path(config.output_dir)
+    if (not overwrite and out.is_dir() and (out / RUN_CONFIG_FILE).exists()
+            and load_run_config(out).fingerprint() == config.fingerprint()):
+        raise OutputDirError(f"{out}: already holds a {what} of this run (one step: nothing to resume); pass "
+                             "--overwrite to redo it there, or choose another --output-dir")
+    check_output_dir(config, resume=False, overwrite=overwrite)
 
 
 def _task_vector(state, task: str, source: str | Path | None, env) -> TaskVector:
@@ -199,7 +211,7 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     if out.resolve() == run_dir.resolve():
         raise OutputDirError(f"{out}: removal writes a new folder; choose an output dir other than the original run")
     config = dataclasses.replace(load_run_config(run_dir), output_dir=str(out))
-    check_output_dir(config, resume=False, overwrite=overwrite)
+    _check_one_step_output(config, overwrite, "client removal")
     server = Server(env)
     before = server.evaluate(state, stores=finished.stores)
     if method == "f2l2":  # D_s is the server's own data, loaded with the run as the test split above is: the
@@ -264,13 +276,14 @@ def remove_client(run_dir: str | Path, client: int, *, method: str = "f2l2", l2:
     after = server.evaluate(new_state, stores=finished.stores)
     record = {"round": state.round, "eval": after, "bytes_uplink": 0, "bytes_downlink": 0}
     results = summarize_results(env, new_state, [*finished.history, record])
+    results["config"] = config.to_dict()  # the run's, written to `out` (where results.json says it is)
     trained = [r["seconds"] for r in finished.history if r.get("kind", "train") == "train" and "seconds" in r]
     results["unlearning"] = {"method": method, "how": how, "tasks": [], "forgotten_clients": [client],
                              "before": before, "after": after, "seconds": seconds,
                              "round_seconds": statistics.median(trained) if trained else None,
                              "client_messages": messages, **details}
     with folder_lock(out):
-        check_output_dir(config, resume=False, overwrite=overwrite)
+        _check_one_step_output(config, overwrite, "client removal")
         out = claim_output_dir(config, overwrite=overwrite)
         export_adapters(run_export(env, finished.stores), new_state, results, out)
         write_atomic(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")

@@ -6,9 +6,10 @@
 
 `transport.GridTransport` carries instructions as Flower Messages, `discovery` maps the run's client
 ids to node ids, `app` holds the ServerApp and ClientApp, `handler` the client half they run, `worker`
-the warm worker a SuperNode's ClientApp may forward to, `node` the client's state on its node,
-`records` the message layout, `settings` and `manifest` the app's run config and pyproject.toml,
-`local` the in-process Flower Grid (no Ray, no sockets; the only module touching Flower internals).
+the warm worker a SuperNode's ClientApp may forward to (`request` what it forwards), `node` the
+client's state on its node, `records` the message layout, `settings` and `manifest` the app's run
+config and pyproject.toml, `local` the in-process Flower Grid (no Ray, no sockets; the only module
+touching Flower internals).
 Needs the `flower` extra: pip install "hf-fedtask[flower]".
 
 The names below are imported on first use, so that a ClientApp process (which imports `app`) loads

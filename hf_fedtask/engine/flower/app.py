@@ -25,7 +25,8 @@ from flwr.serverapp import Grid, ServerApp
 from hf_fedtask.engine.flower.discovery import discovery_reply, partition_id
 from hf_fedtask.engine.flower.node import keep_store, node_secret, store_bytes
 from hf_fedtask.engine.flower.records import MESSAGE_TYPES, read_instruction, reply_content
-from hf_fedtask.engine.flower.worker import ClientRequest, ClientResult, forward, worker_address, worker_key_file
+from hf_fedtask.engine.flower.request import ClientRequest, ClientResult
+from hf_fedtask.engine.flower.worker import forward, worker_address, worker_key_file
 from hf_fedtask.errors import ProtocolError
 
 server_app = ServerApp()

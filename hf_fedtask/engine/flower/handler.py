@@ -14,8 +14,8 @@ from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import pack_vectors, unpack_vectors
 from hf_fedtask.engine.client import ClientRuntime
 from hf_fedtask.engine.environment import Environment
+from hf_fedtask.engine.flower.request import ClientRequest, ClientResult
 from hf_fedtask.engine.flower.settings import AppSettings, parse_run_config
-from hf_fedtask.engine.flower.worker import ClientRequest, ClientResult
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,8 +21,8 @@ derived from the file's); the worker likewise challenges every connection before
 Robustness: each connection is served on its own thread; its request must arrive within
 `request_timeout` seconds (the handling may take as long as training does), frames have size limits, and
 a malformed request is answered with a one-line error and logged while the worker lives on. Requests are
-handled one at a time (the environment is not thread-safe). Framing is `multiprocessing.connection`'s
-(length-prefixed byte messages; nothing is pickled): a JSON header, then the payload, then the store.
+handled one at a time (the environment is not thread-safe). The request, its framing and its checks are
+`hf_fedtask.engine.flower.request`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import hmac
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -40,12 +39,10 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
-from hf_fedtask.core.kinds import KINDS
-from hf_fedtask.engine.messages import Instruction
+from hf_fedtask.engine.flower.request import MAX_FRAME, MAX_HEADER, ClientRequest, ClientResult, one_line
 from hf_fedtask.errors import FedTaskError, WorkerError
 
 WORKER = "worker"  # the node-config key naming the worker's socket
@@ -53,85 +50,10 @@ WORKER_KEY = "worker-key"  # the node-config key naming its key file, where it i
 KEY_SUFFIX = ".key"
 KEY_BYTES = 32
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes on Linux, the last one a NUL
-MIB, GIB = 1 << 20, 1 << 30
-MAX_HEADER = 16 * MIB  # the JSON header holds the run config: generous, yet far below a payload
-MAX_FRAME = 4 * GIB  # the payload and the store: a full model's vectors fit
 REQUEST_TIMEOUT = 60.0  # seconds for a connection to deliver its whole request (not to handle it)
 HANDSHAKE_TIMEOUT = 60.0  # seconds the ClientApp waits for the worker's side of the challenge
 MAX_CONNECTIONS = 64  # connections served at once; more are closed at once
-SECRET_HEX = re.compile(r"[0-9a-fA-F]{64}")  # the node's 32-byte secret (`node.node_secret`)
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (Linux socket(7))
-
-
-@dataclass
-class ClientRequest:
-    """One message for a client, as its ClientApp received it: the run config (Flower's flat map), the
-    client id, the node's secure-aggregation secret, the instruction and the node's packed store."""
-
-    run_config: dict
-    client: int
-    secret: bytes
-    instruction: Instruction
-    store: bytes | None = None
-
-    def send(self, conn: Connection) -> None:
-        ins = self.instruction
-        header = {"run_config": self.run_config, "client": self.client, "secret": self.secret.hex(),
-                  "kind": ins.kind, "round": ins.round, "client_id": ins.client_id, "config": ins.config,
-                  "store": self.store is not None}
-        conn.send_bytes(json.dumps(header).encode())
-        conn.send_bytes(ins.payload)
-        conn.send_bytes(self.store or b"")
-
-    @classmethod
-    def receive(cls, conn: Connection, max_header: int = MAX_HEADER, max_frame: int = MAX_FRAME) -> ClientRequest:
-        """Read and validate one request; anything malformed is a one-line `WorkerError` naming what."""
-        raw = _recv(conn, "header", max_header)
-        try:
-            header = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise WorkerError(f"the request header is not JSON ({type(e).__name__}: {_line(e)})") from None
-        if not isinstance(header, dict):
-            raise WorkerError(f"the request header is {_json_type(header)}, expected a JSON object")
-        unknown = sorted(set(header) - set(FIELDS))
-        if unknown:
-            raise WorkerError(f"the request header has unknown field(s) {', '.join(map(repr, unknown))}")
-        for name, (valid, expected) in FIELDS.items():
-            if name not in header:
-                raise WorkerError(f"the request header lacks field {name!r} ({expected})")
-            if not valid(header[name]):
-                raise WorkerError(f"the request header's {name!r} is {_json_value(header[name])}, expected {expected}")
-        payload = _recv(conn, "payload", max_frame)
-        store = _recv(conn, "store", max_frame)
-        if store and not header["store"]:
-            raise WorkerError(f"the request header says store=false, but a store of {len(store)} bytes follows")
-        ins = Instruction(header["kind"], header["round"], header["client_id"], payload, header["config"])
-        return cls(header["run_config"], header["client"], bytes.fromhex(header["secret"]), ins,
-                   store if header["store"] else None)
-
-
-def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-FIELDS = {  # every header field: its check, and what it must be (for the error line)
-    "run_config": (lambda v: isinstance(v, dict), "a JSON object"),
-    "client": (lambda v: _int(v) and v >= 0, "an int >= 0"),
-    "secret": (lambda v: isinstance(v, str) and SECRET_HEX.fullmatch(v) is not None, "64 hex digits (32 bytes)"),
-    "kind": (lambda v: isinstance(v, str) and v in KINDS, f"one of {', '.join(KINDS)}"),
-    "round": (lambda v: _int(v) and v >= 0, "an int >= 0"),
-    "client_id": (_int, "an int"),
-    "config": (lambda v: isinstance(v, dict), "a JSON object"),
-    "store": (lambda v: isinstance(v, bool), "true or false"),
-}
-
-
-@dataclass
-class ClientResult:
-    """The reply's bytes and the client's store afterwards (packed), to keep in the node's state."""
-
-    reply: bytes
-    store: bytes
 
 
 def worker_address(node_config) -> str | None:
@@ -175,11 +97,11 @@ def forward(address: str, request: ClientRequest, key_file: str | None = None,
                               f"{request.client} (round {request.instruction.round}); see the worker's log") from None
         except ValueError as e:
             raise WorkerError(f"the worker on {address} sent client {request.client} a reply header that is not "
-                              f"JSON ({_line(e)})") from None
+                              f"JSON ({one_line(e)})") from None
     if not isinstance(header, dict) or not isinstance(header.get("ok"), bool):
         raise WorkerError(f"the worker on {address} sent client {request.client} a reply header without 'ok'")
     if not header["ok"]:
-        raise WorkerError(f"worker on {address}, client {request.client}: {_line(header.get('error'))}")
+        raise WorkerError(f"worker on {address}, client {request.client}: {one_line(header.get('error'))}")
     return ClientResult(reply, store)
 
 
@@ -201,7 +123,7 @@ def _authenticated(address: str, key_file: str, timeout: float, what: str) -> Co
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise _no_worker(address, type(e).__name__) from None
         except OSError as e:
-            raise WorkerError(f"cannot connect to the worker on {address} ({_line(e)})") from None
+            raise WorkerError(f"cannot connect to the worker on {address} ({one_line(e)})") from None
         uid = _peer_uid(sock)
         if uid is not None and uid != os.getuid():
             raise WorkerError(f"the process listening on {address} runs as uid {uid}, not as this user "
@@ -214,7 +136,8 @@ def _authenticated(address: str, key_file: str, timeout: float, what: str) -> Co
             deliver_challenge(conn, worker_key)
         except (AuthenticationError, AssertionError, EOFError, OSError) as e:
             conn.close()
-            why = f"no answer in {timeout:g} s" if isinstance(e, BlockingIOError) else f"{type(e).__name__}: {_line(e)}"
+            why = (f"no answer in {timeout:g} s" if isinstance(e, BlockingIOError)
+                   else f"{type(e).__name__}: {one_line(e)}")
             raise WorkerError(f"the listener on {address} failed the handshake with key {key_file} ({why}); "
                               f"{refusing}") from None
         _receive_timeout(sock, 0)  # the handling takes as long as training does
@@ -244,7 +167,7 @@ def _read_key(path: str, address: str, refusing: str) -> bytes:
         raise WorkerError(f"worker key {path} does not exist (the worker on {address} writes it when it starts); "
                           f"{refusing}") from None
     except OSError as e:
-        raise WorkerError(f"worker key {path}: {_line(e)}; {refusing}") from None
+        raise WorkerError(f"worker key {path}: {one_line(e)}; {refusing}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
@@ -277,31 +200,6 @@ def _receive_timeout(sock: socket.socket, seconds: float) -> None:
     descriptor stays blocking, as `multiprocessing.connection.Connection` needs."""
     whole = int(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-
-def _recv(conn: Connection, what: str, limit: int) -> bytes:
-    try:
-        return conn.recv_bytes(limit)
-    except EOFError:
-        raise WorkerError(f"the connection ended before the request's {what}") from None
-    except OSError as e:
-        if str(e) == "bad message length":  # multiprocessing.connection's word for a frame over `limit`
-            raise WorkerError(f"the request's {what} is longer than {limit} bytes") from None
-        raise WorkerError(f"the request's {what} is truncated ({_line(e)})") from None
-
-
-def _line(error: BaseException | str) -> str:
-    return " ".join(str(error).split())[:2000]
-
-
-def _json_type(value) -> str:
-    return {dict: "a JSON object", list: "a JSON array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _json_value(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else f"{_json_type(value)} ({text[:30]}...)"
 
 
 class _Deadline:
@@ -374,7 +272,7 @@ class Worker:
         except OSError as e:
             sock.close()
             self._remove_key()
-            raise WorkerError(f"--socket {self.address}: cannot listen there ({_line(e)})") from None
+            raise WorkerError(f"--socket {self.address}: cannot listen there ({one_line(e)})") from None
         finally:
             os.umask(umask)
         st = os.stat(self.address)
@@ -392,7 +290,7 @@ class Worker:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as e:
-            raise WorkerError(f"worker key {path}: cannot create it ({_line(e)})") from None
+            raise WorkerError(f"worker key {path}: cannot create it ({one_line(e)})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # marks the key as a running worker's
             os.fchmod(fd, 0o600)
@@ -401,7 +299,7 @@ class Worker:
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            raise WorkerError(f"worker key {path}: cannot write it ({_line(e)})") from None
+            raise WorkerError(f"worker key {path}: cannot write it ({one_line(e)})") from None
         self._key, self._key_fd = key, fd
 
     @staticmethod
@@ -411,7 +309,7 @@ class Worker:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
-            raise WorkerError(f"worker key {path} exists and cannot be opened ({_line(e)}); remove it or choose "
+            raise WorkerError(f"worker key {path} exists and cannot be opened ({one_line(e)}); remove it or choose "
                               "another --authkey-file") from None
         try:
             st = os.fstat(fd)
@@ -451,7 +349,7 @@ class Worker:
             except OSError as e:
                 if self.listener is not listener:
                     return  # closed
-                _log(log, f"accept failed ({_line(e)}); retrying")  # e.g. out of descriptors: wait, then go on
+                _log(log, f"accept failed ({one_line(e)}); retrying")  # e.g. out of descriptors: wait, then go on
                 time.sleep(0.1)
                 continue
             if not self._slots.acquire(blocking=False):
@@ -486,7 +384,7 @@ class Worker:
             if request is not None:
                 self._answer(conn, request, handle, log)
         except Exception as e:  # noqa: BLE001  (one connection's failure never ends the worker)
-            _log(log, f"a connection failed ({type(e).__name__}: {_line(e)})")
+            _log(log, f"a connection failed ({type(e).__name__}: {one_line(e)})")
         finally:
             deadline.cancel()
             if conn is not None:
@@ -509,7 +407,7 @@ class Worker:
             answer_challenge(conn, worker_key)
         except (AuthenticationError, AssertionError, EOFError, OSError) as e:
             why = (f"no handshake within {deadline.seconds:g} s" if deadline.expired
-                   else f"{type(e).__name__}: {_line(e) or 'no answer'}")
+                   else f"{type(e).__name__}: {one_line(e) or 'no answer'}")
             _log(log, f"refused a connection that failed the handshake ({why})")
             return None
         try:
@@ -530,16 +428,16 @@ class Worker:
                 result = handle(request)
                 header, reply, store = {"ok": True}, result.reply, result.store
             except FedTaskError as e:
-                header, reply, store = {"ok": False, "error": _line(e)}, b"", b""
+                header, reply, store = {"ok": False, "error": one_line(e)}, b"", b""
             except Exception as e:  # noqa: BLE001  (any failure becomes the client's error reply; the worker lives on)
                 traceback.print_exc(file=log)
-                header, reply, store = {"ok": False, "error": f"{type(e).__name__}: {_line(e)}"}, b"", b""
+                header, reply, store = {"ok": False, "error": f"{type(e).__name__}: {one_line(e)}"}, b"", b""
         ins = request.instruction
         try:
             _send_reply(conn, header, reply, store)
         except OSError as e:
             _log(log, f"client {request.client} round {ins.round} {ins.kind}: the ClientApp went away before the "
-                      f"reply ({_line(e)})")
+                      f"reply ({one_line(e)})")
             return
         self.served += 1
         _log(log, f"client {request.client} round {ins.round} {ins.kind} "
