@@ -1,10 +1,9 @@
 """Every script in benchmarks/ has a `--quick` mode that runs the same measurement small: run each as
 a user would (a subprocess, offline) and check it exits 0 and prints its ratio line(s) with usable
 numbers. The goals are for the full sizes and are not asserted. merge_bench takes seconds; the others
-load the real MiniLM and train it (minutes on a shared box), so they are marked slow, as is gpu_check.py,
-run here with --device cpu --quick (its CUDA sections report that they were skipped)."""
+load the real MiniLM and train it (minutes on a shared box), so they are marked slow. The scripts for a
+GPU machine (device/) are tests/test_gpu_paper_scripts.py's."""
 
-import json
 import math
 import os
 import re
@@ -103,36 +102,3 @@ def test_client_overhead_quick_on_the_tiny_llama():
                      out.stdout, re.MULTILINE), out.stdout[-3000:]
     same = re.search(r"^SAME STEPS ours vs bare: batches identical, .* -> (PASS|FAIL)$", out.stdout, re.MULTILINE)
     assert same and same.group(1) == "PASS", out.stdout[-3000:]
-
-
-@pytest.mark.slow
-def test_gpu_check_quick_on_the_cpu(tmp_path):
-    """benchmarks/gpu_check.py --device cpu --quick runs every section end to end (0.5-2 min on 2
-    cores): the sections that need CUDA say so, and the strategies' "device" runs, here a second CPU
-    run each, equal the first exactly."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("OUT", None)
-    report = tmp_path / "gpu_check.json"
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--quick",
-                          "--assets", str(tmp_path / "assets"), "--out", str(report)],
-                         cwd=BENCHMARKS, env=env, capture_output=True, text=True, timeout=1800)
-    print(out.stdout)
-    assert out.returncode == 0, f"gpu_check.py exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    sections = json.loads(report.read_text())["sections"]
-    assert {name: r["status"] for name, r in sections.items()} == {
-        "strategies": "pass", "entk": "pass", "linearize": "pass", "merge": "pass", "qlora": "skipped: no CUDA",
-        "main_job": "pass", "pytest_cuda": "skipped: no CUDA"}
-    from hf_fedtask.strategies import STRATEGIES
-
-    rows = sections["strategies"]["details"]["rows"]
-    assert sorted(rows) == sorted(STRATEGIES)
-    assert all(r["checks"]["exact"] and r["checks"]["metric_delta"] == 0 for r in rows.values())
-    assert "reloads on the CPU" in rows["fedavg"]["checks"]["reload"]  # a stock PeftModel.from_pretrained
-    assert "refused" in rows["ntkfedavg"]["bf16"]  # mixed precision for a linearized strategy: one-line refusal
-    assert "refused on the CPU" in sections["qlora"]["summary"]
-    for pattern in (r"^RATIO entk/small-cnn-full/digits batched/loop samples per second = (\d+\.\d+)",
-                    r"^RATIO linearize/tiny linearized/normal \(sdpa\) step time = (\d+\.\d+)",
-                    r"^RATIO merge/cpu peft_ties_time/ties_time = (\d+\.\d+)",
-                    r"^section +status +seconds +summary$"):
-        assert re.search(pattern, out.stdout, re.MULTILINE), pattern

@@ -270,7 +270,6 @@ def test_lora_rule_steps_aside_for_disabled_adapters(lora_model, batch):
         assert not torch.allclose(model(**x).logits, base_logits, atol=1e-6)
 
 
-
 def test_readme_sequence_both_modes_on_one_peft_model(lora_model, batch):
     """The README's quick tour builds `LinearizedModel(peft_model)` and then
     `LinearizedModel(peft_model, mode="lora_layers")` on one PEFT model: both then train (forward and

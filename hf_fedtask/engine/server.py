@@ -258,7 +258,7 @@ class Server:
         every example it scores (`hf_fedtask.core.progress`: shown once it lasts, gone when done)."""
         env, linearized = self.env, self.strategy.capabilities.linearized
         backdoor = [t for t in env.backdoor_tasks if t in names]
-        total = (sum(len(env.test_data(n)) for n in names) * (2 if linearized else 1)
+        total = (self._test_examples(names) * (2 if linearized else 1)
                  + sum(len(env.backdoor_test_data(t)) for t in backdoor))
         out = {}
         with progress_bar(desc=f"round {state.round} evaluate", total=total, unit="ex", leave=False) as bar:
@@ -282,7 +282,7 @@ class Server:
         if "compact" not in self.strategy.capabilities.exports:
             return {}
         host, batch, view, tasks = self.env.host, self.config.eval_batch_size, self.env.task_view, self.env.tasks
-        with progress_bar(desc="evaluate the compact export", total=sum(len(self.env.test_data(t.name)) for t in tasks),
+        with progress_bar(desc="evaluate the compact export", total=self._test_examples([t.name for t in tasks]),
                           unit="ex", leave=False) as bar:
             return {t.name: score(predict(host, view(self.strategy.compact_task_parameters(state, t.name), t.name),
                                           self.env.test_data(t.name), batch, progress=bar),
@@ -293,12 +293,17 @@ class Server:
         """Each task's exact match of greedy answers with its label words (`generation_eval`, a causal LM
         only): what a stock text-generation pipeline answers, where the metric scores choices."""
         host, tasks = self.env.host, self.env.tasks
-        with progress_bar(desc="generation eval", total=sum(len(self.env.test_data(t.name)) for t in tasks),
-                          unit="ex", leave=False) as bar:
+        with progress_bar(desc="generation eval", total=self._test_examples([t.name for t in tasks]), unit="ex",
+                          leave=False) as bar:
             return {t.name: generation_exact_match(host, self.env.task_view(self.strategy.task_parameters(
                         state, t.name, stores), t.name), self.env.test_data(t.name), t.label_names,
                         self.config.eval_batch_size, progress=bar)
                     for t in tasks}
+
+    def _test_examples(self, names: list[str]) -> int:
+        """How many test examples tasks `names` have: a progress bar's total, counted on the raw splits so that
+        preparing them (tokenizing) happens under the bar."""
+        return sum(len(self.env.task_by_name[n].dataset["test"]) for n in names)
 
     def predict(self, state: GlobalState, task: str, data, stores: dict | None = None, *,
                 nonlinear: bool = False, progress=None) -> np.ndarray:

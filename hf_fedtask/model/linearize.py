@@ -140,7 +140,9 @@ class LinearizedModel(nn.Module):
             self._patched = patch_frozen_modules(model)
         self._attention = _attention_of(model)  # switched last: a refused model is left as it was
         if self._attention is not None and mode == "lora_layers" and self._attention in _FORWARD_AD_ATTENTIONS:
-            self._attention = None  # no dual tensor reaches attention here: keep the one in place
+            # an attention with forward-mode AD already (e.g. a whole-network wrapper's, which L-LoRA's plain
+            # tensors run through as well) stays; any other is switched to eager, as always
+            self._attention = None
         if self._attention is not None:
             model.set_attn_implementation(_forward_ad_attention(model, fused))
 

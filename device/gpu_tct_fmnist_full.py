@@ -2,11 +2,11 @@
 90.1) with all 60,000 training and 10,000 test images on one GPU, FedAvg and TCT, through
 `recipes/tct_fmnist.py` (one setting at a time, so a run cut short still leaves the finished columns).
 
-    bash benchmarks/gpu_paper_prepare.sh                      # here: wheels + the idx files to carry
-    python benchmarks/gpu_tct_fmnist_full.py                  # on the GPU box (benchmarks/gpu_paper_run.sh: all jobs)
-    python benchmarks/gpu_tct_fmnist_full.py --quick          # CPU smoke test: 600 images, 4 rounds, p = 500
+    bash device/gpu_paper_prepare.sh                      # here: wheels + the idx files to carry
+    python device/gpu_tct_fmnist_full.py                  # on the GPU box (device/gpu_paper_run.sh: all jobs)
+    python device/gpu_tct_fmnist_full.py --quick          # CPU smoke test: 600 images, 4 rounds, p = 500
 
-Measured on an H100 (benchmarks/gpu_paper_run.sh, 5 processes of 3 threads, before image splits were held in
+Measured on an H100 (device/gpu_paper_run.sh, 5 processes of 3 threads, before image splits were held in
 memory): 15.5–20.8 s a round, about 9 minutes per column and method side by side with the F²L² job (about
 12), so with start-up more than one 15-minute lease held then. The sizes: 10 clients, 30
 rounds of 1 local epoch (batch 64, SGD lr 0.05), TCT 20 FedAvg rounds + the normalization round + 9
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--paper", action="store_true", help="the paper's rounds, local epochs, T₁, M and p")
     parser.add_argument("--settings", nargs="+", choices=("c1", "a05"), default=["c1", "a05"])
     parser.add_argument("--methods", nargs="+", choices=("fedavg", "tct"), default=["fedavg", "tct"],
-                        help="one method per process lets benchmarks/gpu_paper_run.sh run them side by side")
+                        help="one method per process lets device/gpu_paper_run.sh run them side by side")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_tct_fmnist_full")
     args = parser.parse_args(argv)
     import tct_fmnist
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     task = data_task() or ("digits" if args.quick else "")
     if not task:
         print("error: no Fashion-MNIST idx files (apt-get install dataset-fashion-mnist, or carry them and set "
-              "HF_FEDTASK_FASHION_MNIST; benchmarks/gpu_paper_prepare.sh does)", file=sys.stderr)
+              "HF_FEDTASK_FASHION_MNIST; device/gpu_paper_prepare.sh does)", file=sys.stderr)
         return 2
     out = Path(args.out)
     report = {"task": task, "sizes": sizes, "paper": PAPER_TABLE, "columns": {}}
