@@ -32,7 +32,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from hf_fedtask.config import RunConfig  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
-from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
+from hf_fedtask.workflows.recipe import publish_results, recipe_config, recipe_parser, resource_report  # noqa: E402
 
 DEFAULTS = {
     "suite": "builtin-8",
@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     print(path.read_text())
     print(f"tables: {path}  (and {path.with_suffix('.json')}, {path.with_suffix('.png')})")
     print(resource_report(time.perf_counter() - start))
+    publish_results(args, base.output_dir, path.read_text(), argv, __file__)
     return 0
 
 

@@ -64,7 +64,7 @@ from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.strategies.base import task_model, task_vectors  # noqa: E402
 from hf_fedtask.strategies.f2l2 import LOCAL_TRAINING, RemovalOptions  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results  # noqa: E402
-from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
+from hf_fedtask.workflows.recipe import publish_results, recipe_config, recipe_parser, resource_report  # noqa: E402
 from hf_fedtask.workflows.unlearn import REMOVED_MODEL, remove_client, unlearn  # noqa: E402
 
 DEFAULTS = {
@@ -398,6 +398,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(resource_report(time.perf_counter() - start))
+    publish_results(args, base.output_dir, (Path(base.output_dir) / "f2l2_backdoor.md").read_text(), argv, __file__)
     return 0
 
 

@@ -34,7 +34,7 @@ from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import finished_results, run_comparison  # noqa: E402
 from hf_fedtask.workflows.personalize import local_only, personalize  # noqa: E402
-from hf_fedtask.workflows.recipe import recipe_config, recipe_parser  # noqa: E402
+from hf_fedtask.workflows.recipe import publish_results, recipe_config, recipe_parser  # noqa: E402
 
 TASKS = ["first_name_gender", "first_name_origin", "vader_polarity", "langid_germanic"]
 DEFAULTS = {
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
         return 2
     print(report.read_text())
     print(f"report: {report}  (plot: task0_vs_tasks.png beside it)")
+    publish_results(args, base.output_dir, report.read_text(), argv, __file__)
     return 0
 
 

@@ -45,7 +45,7 @@ from hf_fedtask.core.files import write_atomic  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.model.backbone import input_kind, resolve_base_model  # noqa: E402
 from hf_fedtask.workflows.compare import plot_comparison, run_comparison  # noqa: E402
-from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
+from hf_fedtask.workflows.recipe import publish_results, recipe_config, recipe_parser, resource_report  # noqa: E402
 
 DEFAULTS = {
     "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     print(md)
     print(f"tables: {out / 'comparison.md'}  (and comparison.json, comparison.png)")
     print(resource_report(time.perf_counter() - start))
+    publish_results(args, out, md, argv, __file__)
     return 0
 
 

@@ -47,7 +47,7 @@ DEFAULTS = {
 
 def main(argv=None) -> int:
     presets = presets_beside(__file__, paper="matu_vit_b32.yaml")
-    return run_recipe(__doc__.splitlines()[0], DEFAULTS, presets, argv)
+    return run_recipe(__doc__.splitlines()[0], DEFAULTS, presets, argv, script=__file__)
 
 
 if __name__ == "__main__":

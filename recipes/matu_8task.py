@@ -32,7 +32,7 @@ if "--preset" not in sys.argv or "per_task_heads" in sys.argv:
 
 from hf_fedtask.errors import FedTaskError
 from hf_fedtask.workflows.compare import run_seeds, write_comparison
-from hf_fedtask.workflows.recipe import presets_beside, recipe_config, recipe_parser
+from hf_fedtask.workflows.recipe import presets_beside, publish_results, recipe_config, recipe_parser
 
 DEFAULTS = {
     "suite": "builtin-8",
@@ -124,6 +124,7 @@ def main(argv=None) -> int:
         return 2
     print(path.read_text())
     print(f"tables: {path}  (and {path.with_suffix('.json')}, {path.with_suffix('.png')})")
+    publish_results(args, base.output_dir, path.read_text(), argv, __file__)
     return 0
 
 

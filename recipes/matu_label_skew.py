@@ -38,6 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hf_fedtask.workflows.recipe import add_results_page_arguments, publish_results  # noqa: E402
+
 METHODS = ("matu_per_task_downlink", "matu", "fedavg", "per_task_fedavg", "scaffold", "fedavg_sgd")
 STUDIES = ("rounds", "epochs")
 
@@ -171,11 +173,14 @@ def main(argv=None) -> int:
                         help="also evaluate every finished run per task: classes predicted, accuracy against the "
                              "majority share (<output_dir>_predictions.md)")
     parser.add_argument("--output-dir", default="runs/matu8_skew")
+    add_results_page_arguments(parser)
     args, extra = parser.parse_known_args(argv)
     if not args.tabulate_only:
         run_studies(args, extra)
-    print(tabulate(args.output_dir, f"{args.epochs_rounds} rounds × {args.local_epochs:g} epochs"))
+    table = tabulate(args.output_dir, f"{args.epochs_rounds} rounds × {args.local_epochs:g} epochs")
+    print(table)
     print(f"table: {args.output_dir}.md  (and .json, .png)")
+    publish_results(args, args.output_dir, table, argv, __file__)
     if args.predictions:
         prediction_spread(args.output_dir)
         print(f"predictions: {args.output_dir}_predictions.md")

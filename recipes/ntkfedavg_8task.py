@@ -34,7 +34,7 @@ from hf_fedtask.engine.run_folder import RESULTS_FILE, read_history  # noqa: E40
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import evaluated, headline_metric, pyplot  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
-from hf_fedtask.workflows.recipe import presets_beside, recipe_config, recipe_parser  # noqa: E402
+from hf_fedtask.workflows.recipe import presets_beside, publish_results, recipe_config, recipe_parser  # noqa: E402
 from hf_fedtask.workflows.unlearn import negate_task, unlearn  # noqa: E402
 
 DEFAULTS = {
@@ -77,6 +77,7 @@ def main(argv=None) -> int:
         return 2
     print(report.read_text())
     print(f"report: {report}  (plots: accuracy_vs_round.png, unlearning.png beside it)")
+    publish_results(args, base.output_dir, report.read_text(), argv, __file__)
     return 0
 
 

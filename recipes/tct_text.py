@@ -28,7 +28,7 @@ from hf_fedtask.engine.run_folder import read_history  # noqa: E402
 from hf_fedtask.errors import FedTaskError  # noqa: E402
 from hf_fedtask.report import mean_curve, plot_curves_by_setting  # noqa: E402
 from hf_fedtask.workflows.compare import run_comparison  # noqa: E402
-from hf_fedtask.workflows.recipe import recipe_config, recipe_parser, resource_report  # noqa: E402
+from hf_fedtask.workflows.recipe import publish_results, recipe_config, recipe_parser, resource_report  # noqa: E402
 
 DEFAULTS = {
     "suite": "builtin-8",
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
                            ylabel="mean test accuracy (%)")
     print(text)
     print(resource_report(time.perf_counter() - start))
+    publish_results(args, out, text, argv, __file__)
     return 0
 
 

@@ -25,6 +25,7 @@ import ast
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -204,8 +205,10 @@ def test_the_command_finder_sees_launchers_comments_and_continuations():
             "hf-fedtask flower worker --socket $FLWR_HOME/w.sock &    # background\n"
             "hf-fedtask merge --method ties A B \\\n  -o merged && ls\n"
             "for i in 0 1; do hf-fedtask inspect x-$i.safetensors; done\n")
-    assert commands(code) == [["run", "--output-dir", "runs/two"], ["flower", "worker", "--socket", "$FLWR_HOME/w.sock"],
-                              ["merge", "--method", "ties", "A", "B", "-o", "merged"], ["inspect", "x-$i.safetensors"]]
+    assert commands(code) == [["run", "--output-dir", "runs/two"],
+                              ["flower", "worker", "--socket", "$FLWR_HOME/w.sock"],
+                              ["merge", "--method", "ties", "A", "B", "-o", "merged"],
+                              ["inspect", "x-$i.safetensors"]]
     assert check_command(["run", "--rounds", "2"]) is None
     assert "unrecognized arguments: --roundz" in check_command(["run", "--roundz", "2"])
     assert "does not support option 'kappa'" in check_command(["run", "--strategy", "fedavg", "--kappa", "2"])
@@ -285,6 +288,7 @@ def test_tutorial_runs_at_a_small_size(page, tmp_path):
         following = page_blocks[i + 1] if i + 1 < len(page_blocks) else None
         if want and following is not None and following.lang == "text":
             first = " ".join(following.code.splitlines()[0].split())
-            assert first in " ".join(output.split()), f"{block}: the page shows\n{first}\nbut the command said\n{output}"
+            assert first in " ".join(output.split()), \
+                f"{block}: the page shows\n{first}\nbut the command said\n{output}"
         ran += 1
     assert ran, f"{page}: no block was executed"

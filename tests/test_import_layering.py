@@ -1,7 +1,7 @@
 """The package's import layering: core imports only core and errors, lower layers never import the
 layers above them, the graph of subpackage-level layers has no cycle, and neither has the graph of modules
-(every import, deferred ones in functions included; those under `if TYPE_CHECKING:` excepted, since they
-never run). The CLI's start-up path (the modules `hf_fedtask.cli` imports at module level, transitively)
+(every import, deferred ones in functions and those under `if TYPE_CHECKING:` included: an annotation's
+import is a dependency too). The CLI's start-up path (the modules `hf_fedtask.cli` imports at module level, transitively)
 imports no heavy third-party package."""
 
 from __future__ import annotations
@@ -178,9 +178,9 @@ def _cycles(graph: dict[str, set[tuple[str, int, str]]]) -> list[tuple[list[str]
 
 def test_module_import_graph_has_no_cycle():
     """No module imports, directly or through others, a module that imports it back: not at module level
-    and not inside a function either (a deferred import hides a circle, it does not remove it). Imports
-    under `if TYPE_CHECKING:` are left out, since they never run; they are for annotations only."""
-    graph = _import_graph(type_checking=False)
+    and not inside a function either (a deferred import hides a circle, it does not remove it), nor under
+    `if TYPE_CHECKING:` (an annotation's import is a dependency a reader follows too)."""
+    graph = _import_graph(type_checking=True)
     assert _cycles({"a": {("b", 1, "import b")}, "b": {("a", 2, "import a")}, "c": {("a", 3, "import a")}}) == [
         (["a", "b"], [("a", 1, "import b"), ("b", 2, "import a")])]
     assert any(t == "hf_fedtask.engine.flower.handler" for t, _, _ in graph["hf_fedtask.engine.flower.worker"])

@@ -24,7 +24,7 @@ import json
 import os
 import secrets
 import struct
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import safetensors
 import safetensors.torch
@@ -32,8 +32,18 @@ import torch
 
 from hf_fedtask.errors import TaskVectorError
 
-if TYPE_CHECKING:
-    from hf_fedtask.core.taskvector import TaskVector
+
+class TensorsWithHeader(Protocol):
+    """What `validate` reads of a task vector (`hf_fedtask.core.taskvector.TaskVector`, which builds on this
+    module): its tensors by key, its raw header and its non-finite keys."""
+
+    raw_metadata: Mapping[str, str]
+
+    def __contains__(self, key: object) -> bool: ...
+    def __iter__(self): ...
+    def __getitem__(self, key: str) -> torch.Tensor: ...
+    def nonfinite_keys(self) -> list[str]: ...
+
 
 # The header's `format` value. It is the container module's path, written into every file since the
 # first release: files on disk carry it, so it stays as it is wherever the code lives.
@@ -180,7 +190,7 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 def validate(
-    tv: TaskVector,
+    tv: TensorsWithHeader,
     *,
     source: str,
     template: Mapping[str, Any] | None = None,

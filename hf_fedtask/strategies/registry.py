@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING
 
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.strategies.configs import (
@@ -30,8 +29,7 @@ from hf_fedtask.strategies.configs import (
     TCTConfig,
 )
 
-if TYPE_CHECKING:
-    from hf_fedtask.strategies.base import Strategy
+StrategyClass = type  # a `hf_fedtask.strategies.base.Strategy` subclass (base imports this registry, not back)
 
 __all__ = ["BUILTIN_STRATEGIES", "STRATEGIES", "build_strategy_config", "load_builtin_strategies", "option_names",
            "register_strategy", "strategy_class", "strategy_config_class", "strategy_configs"]
@@ -52,12 +50,12 @@ BUILTIN_STRATEGIES: dict[str, tuple[str, type[StrategyConfig]]] = {
     "tct": ("tct", TCTConfig),
 }
 
-STRATEGIES: dict[str, type[Strategy]] = {}
+STRATEGIES: dict[str, StrategyClass] = {}
 """The registered strategy classes by name. It holds the builtins once their modules are imported: read it
 as `hf_fedtask.strategies.STRATEGIES` (which imports them) or look a strategy up with `strategy_class`."""
 
 
-def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+def register_strategy(cls: StrategyClass) -> StrategyClass:
     """Class decorator: register `cls` under `cls.name`. A builtin strategy must register with the config
     class `BUILTIN_STRATEGIES` declares for it, the one `RunConfig` and the CLI validate its options with."""
     if not (isinstance(cls.config_class, type) and issubclass(cls.config_class, StrategyConfig)):
@@ -70,14 +68,14 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-def load_builtin_strategies() -> dict[str, type[Strategy]]:
+def load_builtin_strategies() -> dict[str, StrategyClass]:
     """Import the builtin strategies' modules (torch and all), which registers them; `STRATEGIES`."""
     for module in dict.fromkeys(module for module, _ in BUILTIN_STRATEGIES.values()):
         importlib.import_module(f"hf_fedtask.strategies.{module}")
     return STRATEGIES
 
 
-def strategy_class(name: str) -> type[Strategy]:
+def strategy_class(name: str) -> StrategyClass:
     """The strategy registered as `name` (the builtins are imported if it is not there yet)."""
     if name not in STRATEGIES:
         load_builtin_strategies()

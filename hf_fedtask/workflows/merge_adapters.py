@@ -229,7 +229,8 @@ def _check_same_heads(inputs: list[_Input], base: _Input | None, head_keys: set[
             if key in x.tensors and x.tensors[key].shape != ref.tensors[key].shape:
                 raise TaskVectorError(f"{x.source}: its head has {_labels(x, head_keys)}, {ref.source}'s has "
                                       f"{_labels(ref, head_keys)}: heads of different sizes cannot be merged; {fix}")
-        if x is not base and x.label_names and ref.label_names and x.label_names != ref.label_names:
+        has_head = any(k in x.tensors for k in head_keys)  # a causal LM's adapter has none: its labels are words
+        if has_head and x is not base and x.label_names and ref.label_names and x.label_names != ref.label_names:
             raise ConfigError(f"{x.source}: its head has {_labels(x, head_keys)}, {ref.source}'s has "
                               f"{_labels(ref, head_keys)}: heads of unrelated label sets cannot be merged; {fix}")
 
