@@ -27,13 +27,20 @@ def tiny_flags(tiny_bert_dir, tiny_tasks_dir, out):
 
 def test_main_job_prints_the_table_and_leaves_everything_a_user_needs(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):
     out = tmp_path / "matu30"
-    assert load_recipe("matu_30task").main(tiny_flags(tiny_bert_dir, tiny_tasks_dir, out)) == 0
+    page = tmp_path / "docs" / "matu.md"
+    page.parent.mkdir()
+    page.write_text("# MaTU\n\nkept\n")
+    flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--results-page", str(page)]
+    assert load_recipe("matu_30task").main(flags) == 0
     printed = capsys.readouterr().out
+    written = page.read_text()  # --results-page: the printed table and wall time, with the command that made them
+    assert written.startswith("# MaTU\n\nkept\n") and "<!-- results:matu30 start -->" in written
+    assert "recipes/matu_30task.py --tasks" in written and "--results-page" in written and "wall time:" in written
     results = json.loads((out / "results.json").read_text())
     assert results["strategy"] == "matu" and results["config"]["zeta"] == 0.2 and results["rounds"] == 2
     assert results["config"]["eval_every"] == 4  # the main job evaluates every 4th round and after the last
     for task, r in results["tasks"].items():
-        assert task in printed and f"{r['accuracy']:.4f}" in printed
+        assert task in printed and f"{r['accuracy']:.4f}" in printed and f"{r['accuracy']:.4f}" in written
         assert (out / "adapters" / task / "adapter_model.safetensors").exists()
     assert (out / "accuracy_vs_round.png").stat().st_size > 1000
     assert (out / "compact" / "masks.safetensors").exists()
@@ -237,7 +244,10 @@ def test_tct_text_recipe_reports_accuracy_and_costs(tiny_bert_dir, tiny_tasks_di
     flags = tiny_flags(tiny_bert_dir, tiny_tasks_dir, out) + ["--participation", "1", "--rounds", "3", "--tct-stage1",
                                                               "1", "--tct-features", "64", "--tct-steps", "5",
                                                               "--settings", "tasks", "--max-train-samples", "64"]
-    assert load_recipe("tct_text").main(flags) == 0
+    assert load_recipe("tct_text").main(flags + ["--results-page", str(tmp_path / "tct.md")]) == 0
+    page = (tmp_path / "tct.md").read_text()  # the recipe's own table, under its command
+    assert page.startswith("# tct\n") and (out / "tct_text.md").read_text().strip() in page
+    assert "recipes/tct_text.py" in page and "- commit: `" in page and "- hardware: " in page
     result = json.loads((out / "tct_text.json").read_text())
     assert set(result["final"]["tasks"]) == {"fedavg", "tct_p64"}
     cost = result["costs"]["tasks/tct_p64"]

@@ -1,7 +1,7 @@
 """What a run is checked for before torch, a model or a dataset is loaded and before anything is written:
 the run folder (it holds nothing else, or this run to resume; --resume and --overwrite are not both
 given; it can be created here), the clients against the tasks, and the base model (a folder that
-exists, or a Hub id that loads here: `hf_fedtask.model.backbone.check_base_model`).
+exists, or a Hub id that loads here: `hf_fedtask.model.backbone.check_base_model`) and the DP options.
 
 This module imports no torch, transformers, datasets or peft, so that `hf-fedtask run` answers a typo
 within a second instead of after the engine's imports (`tests/test_cli_startup.py`). `run()` repeats
@@ -19,6 +19,7 @@ from hf_fedtask.core.files import CHECKPOINT_FILE, LOCK_FILE
 from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.model.backbone import check_base_model
+from hf_fedtask.privacy.settings import UNSUPPORTED, check_options
 
 RUN_CONFIG_FILE = "run_config.yaml"
 RESULTS_FILE = "results.json"
@@ -126,11 +127,21 @@ def check_tasks(config: RunConfig) -> None:
                                                                         if close else ""))
 
 
+def check_privacy(config: RunConfig) -> None:
+    """The client-level DP options that need the config alone (`hf_fedtask.privacy.settings.check_options`),
+    with what a builtin strategy declares read from its name and options: the strategies that refuse DP are
+    named in `UNSUPPORTED`, and FedYolo's `secure_aggregation` is its option. `Server.check` repeats them with
+    the strategy's own capabilities."""
+    secure = bool(getattr(config.strategy_config, "secure_aggregation", False))
+    check_options(config, config.strategy, config.strategy not in UNSUPPORTED, secure)
+
+
 def preflight(config: RunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
     """Every check of a run that needs no model, data or torch (one line each; nothing is written). The
     base model comes first: a mistyped one would otherwise read as "holds a different run"."""
     check_base_model(config.base_model, "--base-model")
     check_tasks(config)
     check_clients(config)
+    check_privacy(config)
     check_output_dir(config, resume=resume, overwrite=overwrite)
     check_creatable(config.output_dir)

@@ -77,17 +77,19 @@ def dp_requested(config) -> bool:
     return getattr(config, "dp_clip", None) is not None
 
 
-def resolve_privacy(config, strategy, population: int, sample: int) -> PrivacySettings | None:
-    """The run's `PrivacySettings` (None when DP is off), or a one-line ConfigError naming the offending option."""
+def check_options(config, strategy: str, supported: bool, secure: bool) -> None:
+    """The refusals that need the run config alone (no model, no data, no torch: `hf-fedtask run` answers them
+    within a second, `hf_fedtask.engine.preflight`): `strategy` by name, whether it declares client-level DP
+    (`supported`) and whether its uploads are securely aggregated (`secure`)."""
     if not dp_requested(config):
         given = [name for name in DP_OPTIONS if _non_default(config, name)]
         if given:
             raise ConfigError(f"{given[0]}: client-level DP needs dp_clip as well (the L2 norm C each client's "
                               "whole upload is clipped to)")
-        return None
-    if not strategy.capabilities.client_dp:
-        why = UNSUPPORTED.get(strategy.name, GENERIC)
-        raise ConfigError(f"dp_clip: strategy {strategy.name!r} does not support client-level DP: {why}")
+        return
+    if not supported:
+        why = UNSUPPORTED.get(strategy, GENERIC)
+        raise ConfigError(f"dp_clip: strategy {strategy!r} does not support client-level DP: {why}")
     sigma, target = config.dp_noise_multiplier, config.dp_epsilon
     if sigma is None and target is None:
         raise ConfigError("dp_clip: give dp_noise_multiplier (σ; ε is reported) or dp_epsilon (a target ε; σ is "
@@ -96,13 +98,21 @@ def resolve_privacy(config, strategy, population: int, sample: int) -> PrivacySe
         raise ConfigError(f"dp_epsilon: {target} and dp_noise_multiplier: {sigma} exclude each other: give one")
     if not 0 < config.dp_delta < 1:
         raise ConfigError(f"dp_delta: must be in (0, 1), got {config.dp_delta!r}")
-    if sample >= population and population == 1:
-        raise ConfigError("dp_clip: client-level DP over a single client protects nothing: use more clients")
-    if config.dp_noise == "clients" and not strategy.capabilities.secure_aggregation:
-        raise ConfigError(f"dp_noise: clients needs secure aggregation, which strategy {strategy.name!r} does not use "
+    if config.dp_noise == "clients" and not secure:
+        raise ConfigError(f"dp_noise: clients needs secure aggregation, which strategy {strategy!r} does not use "
                           "here: without it the server sees each upload with its own share N(0, σ²C²/h) of the "
                           "noise only; use dp_noise server, or fedyolo with secure_aggregation")
+
+
+def resolve_privacy(config, strategy, population: int, sample: int) -> PrivacySettings | None:
+    """The run's `PrivacySettings` (None when DP is off), or a one-line ConfigError naming the offending option."""
+    check_options(config, strategy.name, strategy.capabilities.client_dp, strategy.capabilities.secure_aggregation)
+    if not dp_requested(config):
+        return None
+    if sample >= population and population == 1:
+        raise ConfigError("dp_clip: client-level DP over a single client protects nothing: use more clients")
     strategy.check_private(config)
+    sigma, target = config.dp_noise_multiplier, config.dp_epsilon
     if target is not None:
         from hf_fedtask.privacy.accountant import calibrate
 
