@@ -215,6 +215,12 @@ def test_refusals_that_need_no_model_answer_before_torch_is_imported(tmp_path):
         (["unlearn", str(tmp_path / "no_run"), "--task", "x", "--rounds", "1"], "not a finished hf_fedtask run"),
         (["unlearn", str(tmp_path / "no_run"), "--task", "x"], "federated unlearning needs --rounds R"),
         (["export", str(tmp_path / "no_run")], "not a finished hf_fedtask run"),
+        (["run", "--dp-clip", "1"], "dp_clip: give dp_noise_multiplier"),
+        (["run", "--dp-noise-multiplier", "1"], "dp_noise_multiplier: client-level DP needs dp_clip as well"),
+        (["run", "--strategy", "matfl", "--dp-clip", "1", "--dp-epsilon", "4"], "does not support client-level DP"),
+        (["run", "--dp-clip", "1", "--dp-epsilon", "4", "--dp-noise", "clients"], "clients needs secure aggregation"),
+        (["run", "--report-to", "tensorbored"], "report_to: 'tensorbored' is no Accelerate tracker"),
+        (["run", "--report-to", "swanlab"], "the swanlab tracker's package is not installed here"),
     ]
     if sys.platform == "linux":  # no folder can be made under /proc, even by root (whose os.access says yes)
         cases.append((["run", "--output-dir", "/proc/hf-fedtask-x"], "no folder can be made in /proc"))
@@ -241,3 +247,24 @@ def test_run_help_shows_each_options_default():
                  "(default: runs/default)", "(default: sentence-transformers/all-MiniLM-L6-v2)",
                  "exports) when the run ends (default: true)", "[fedprox, ntkfedprox] (>= 0) (default: 0.01)"):
         assert says in help_text, says
+
+
+def test_the_trackers_checked_before_torch_are_accelerates():
+    """`report_to` is checked from `TRACKER_PACKAGES` without importing Accelerate: its names are Accelerate's
+    trackers, and a tracker counts as installed exactly when Accelerate finds it available."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    from hf_fedtask.core.names import TRACKER_PACKAGES
+    from hf_fedtask.engine.preflight import check_trackers
+    from hf_fedtask.errors import ConfigError
+
+    assert sorted(TRACKER_PACKAGES) == sorted(t for t in LoggerType.list() if t != "all")
+    available = {str(t.value if hasattr(t, "value") else t) for t in get_available_trackers()}
+    for name in TRACKER_PACKAGES:
+        try:
+            check_trackers([name])
+            ours = True
+        except ConfigError:
+            ours = False
+        assert ours == (name in available), name

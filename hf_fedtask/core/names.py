@@ -10,3 +10,8 @@ MIXED_PRECISIONS = ("no", "bf16", "fp16")  # Accelerate's names (hf_fedtask.mode
 LINEARIZATIONS = ("network", "lora_layers")  # hf_fedtask.model.linearize.MODES
 RESCALERS = ("global_sum", "per_tensor_mean")  # hf_fedtask.merge.unify
 BAD_UPLOADS = ("drop", "stop")  # hf_fedtask.engine.trust: what a round does with a refused reply
+# Accelerate's trackers (`accelerate.utils.LoggerType`) and the packages each needs, so `report_to` is checked
+# before torch is imported (tests/test_first_hour.py holds both to Accelerate's own lists)
+TRACKER_PACKAGES = {"aim": ("aim",), "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
+                    "trackio": ("trackio",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",),
+                    "clearml": ("clearml",), "dvclive": ("dvclive",), "swanlab": ("swanlab",)}

@@ -11,11 +11,13 @@ the run folder's checks under the folder's lock (`hf_fedtask.engine.run`).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from pathlib import Path
 
 from hf_fedtask.config import RunConfig
 from hf_fedtask.core.files import CHECKPOINT_FILE, LOCK_FILE
+from hf_fedtask.core.names import TRACKER_PACKAGES
 from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES
 from hf_fedtask.errors import ConfigError, OutputDirError
 from hf_fedtask.model.backbone import check_base_model
@@ -136,6 +138,19 @@ def check_privacy(config: RunConfig) -> None:
     check_options(config, config.strategy, config.strategy not in UNSUPPORTED, secure)
 
 
+def check_trackers(report_to: list[str]) -> None:
+    """Refuse a `report_to` tracker Accelerate does not know (it would raise once the folder is written) or
+    whose package is not installed here (Accelerate's `filter_trackers` drops those silently, so nothing
+    would be logged); read from `TRACKER_PACKAGES` without importing Accelerate (and so torch)."""
+    for name in (n for n in report_to if n not in ("none", "all")):
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"report_to: {name!r} is no Accelerate tracker; choose from "
+                              f"{', '.join(TRACKER_PACKAGES)} (or all)")
+        if not any(importlib.util.find_spec(package) for package in TRACKER_PACKAGES[name]):
+            raise ConfigError(f"report_to: the {name} tracker's package is not installed here (pip install "
+                              f"{TRACKER_PACKAGES[name][0]}); Accelerate would leave it out and log nothing")
+
+
 def preflight(config: RunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
     """Every check of a run that needs no model, data or torch (one line each; nothing is written). The
     base model comes first: a mistyped one would otherwise read as "holds a different run"."""
@@ -143,5 +158,6 @@ def preflight(config: RunConfig, *, resume: bool = False, overwrite: bool = Fals
     check_tasks(config)
     check_clients(config)
     check_privacy(config)
+    check_trackers(config.report_to)
     check_output_dir(config, resume=resume, overwrite=overwrite)
     check_creatable(config.output_dir)

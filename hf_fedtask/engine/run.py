@@ -26,6 +26,7 @@ from hf_fedtask.core.files import folder_lock, remove_stale_staging, write_atomi
 from hf_fedtask.core.state import ClientStore, GlobalState
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.inprocess import Federation  # noqa: F401  (re-exported: step rounds by hand)
+from hf_fedtask.engine.preflight import check_trackers
 from hf_fedtask.engine.ranks import RankTransport, rank_store, release_ranks, serve
 from hf_fedtask.engine.results import summarize_results
 from hf_fedtask.engine.run_folder import (
@@ -119,8 +120,8 @@ def _run_rank0(config: RunConfig, **kwargs) -> dict:
 
 
 def _run(config: RunConfig, *, resume, overwrite, callbacks, warm_start, engine: Engine, on_start=None) -> dict:
-    check_output_dir(config, resume=resume, overwrite=overwrite)
     check_trackers(config.report_to)
+    check_output_dir(config, resume=resume, overwrite=overwrite)
     with folder_lock(config.output_dir):  # one writer per run folder, released on any exit
         check_output_dir(config, resume=resume, overwrite=overwrite)  # again: another writer may have been first
         env = Environment(config)
@@ -128,25 +129,6 @@ def _run(config: RunConfig, *, resume, overwrite, callbacks, warm_start, engine:
         server.check()  # bad suite/task/model names and unsupported settings fail here, before anything is written
         return _run_locked(env, server, engine, resume=resume, overwrite=overwrite, callbacks=callbacks,
                            warm_start=warm_start, on_start=on_start)
-
-
-def check_trackers(report_to: list[str]) -> None:
-    """Refuse, before the run folder is claimed, a `report_to` tracker Accelerate does not know (it would
-    raise once the folder is written) or whose package is not installed here (Accelerate's
-    `filter_trackers` drops those silently, so nothing would be logged)."""
-    names = [name for name in report_to if name != "none"]
-    if not names:
-        return
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
-    for name in names:
-        if name not in LoggerType.list():
-            raise ConfigError(f"report_to: {name!r} is no Accelerate tracker; choose from "
-                              f"{', '.join(t for t in LoggerType.list() if t != 'all')} (or all)")
-        if name != "all" and LoggerType(name) not in get_available_trackers():
-            raise ConfigError(f"report_to: the {name} tracker's package is not installed here (pip install {name}); "
-                              "Accelerate would leave it out and log nothing")
 
 
 def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, overwrite, callbacks, warm_start,
