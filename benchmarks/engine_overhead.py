@@ -25,7 +25,7 @@ Engines (each runs the whole job with `hf_fedtask.engine.run.run` semantics):
               process, which imports only flwr and forwards the instruction to the node's worker over a
               Unix socket; the worker imported torch once and keeps its environment across rounds. The
               SuperNodes run with FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.2 (Flower's default 1 s), as the
-              README's deployment does.
+              deployment of docs/tutorials/secured-deployment.md does.
 
 What is timed: every round's `seconds` from metrics.jsonl (the server's round: sampling, the exchange,
 validation, aggregation, evaluation). Round 1 holds one-time work (tokenizing the clients' data and the

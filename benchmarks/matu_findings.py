@@ -1,4 +1,4 @@
-"""The statistics behind the README's "What we found" on MaTU (builtin-8, MiniLM + LoRA r=8):
+"""The statistics behind "What we found" on MaTU in docs/results/matu.md (builtin-8, MiniLM + LoRA r=8):
 
 1. Independent task vectors: each task trained alone for one epoch from the same seeded init θ_p;
    their pairwise sign agreement and the share of each task's entries a 4-task unification keeps

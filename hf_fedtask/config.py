@@ -153,7 +153,7 @@ class RunConfig:
     max_grad_norm: float = option(1.0, "gradient clipping norm; 0 turns it off", minimum=0.0)
     # bookkeeping
     eval_batch_size: int = option(128, "evaluation batch size", minimum=1)
-    # evaluating every test split is a large share of a round on a CPU (README: the main job's timing);
+    # evaluating every test split is a large share of a round on a CPU (docs/results/matu.md: the main job);
     # eval_every changes no training result, so a run may resume with another k
     eval_every: int = option(1, "evaluate the test splits every k rounds and always after the last", minimum=1)
     generation_eval: bool = option(False, "causal LM: also score each task's greedy answers by exact match with its "

@@ -7,14 +7,15 @@
 30 clients hold the 30 tasks through a Dirichlet task allocation (ζ_t = 0.2: most clients hold
 several tasks, each task is split over its holders); each round a seeded 20% of the clients train one
 local epoch per task they hold, for 24 rounds (7 min 31 s measured on 2 cores with `accelerate launch`
-when this default was set; the README gives this release's time). Every task's test split is evaluated
+when this default was set; docs/results/matu.md gives the latest). Every task's test split is evaluated
 after every 4th round (an evaluation costs about two thirds of a training round here; `--eval-every 1`
 evaluates every round). The recipe uses every core it may (`accelerate launch` alone gives it one
 thread); `--threads N` or your OMP_NUM_THREADS wins. The paper runs 300 rounds with every client each
 round; this default is the same algorithm scaled to the CPU budget, with one change: the downlink carries
 each held task's own τ^t (`downlink: per_task`), so a client's step is measured where the server adds it,
 at about 3x the bytes of the paper's unified downlink (`--downlink unified`, which the paper preset keeps;
-the README has both). Any RunConfig key is a flag (`--rounds 50`).
+the README and docs/results/matu.md have both). Any RunConfig key is a flag (`--rounds 50`);
+`--results-page docs/results/matu.md` also writes the table into that page.
 
 At the end: a per-task table (accuracy and accuracy normalized by individual centralized LoRA),
 `accuracy_vs_round.png`, `results.json`, one stock PEFT adapter per task under `adapters/`, the
@@ -40,7 +41,7 @@ DEFAULTS = {
     "rounds": 24,  # what fits the 10-minute budget on 2 cores (see the docstring)
     "eval_every": 4,  # 6 evaluations instead of 24 pay for 7 more rounds than the previous default of 17
     "local_epochs": 1.0,
-    "downlink": "per_task",  # each task trained from its own τ^t; --downlink unified is the paper's (README)
+    "downlink": "per_task",  # each task from its own τ^t; --downlink unified: the paper's (docs/results/matu.md)
     "output_dir": "runs/matu30",
 }
 

@@ -3,7 +3,7 @@ torch, transformers, datasets or peft; the strategies themselves load on first u
 flag and positional of every subcommand has help text.
 
 Start-up is checked by which modules a fresh interpreter has loaded, not by timing it: the result does
-not depend on the machine's load. README, "Command line", gives the measured time."""
+not depend on the machine's load. docs/results/benchmarks.md, "The CLI's start-up", gives the measured time."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The secured Flower deployment (TLS and SuperNode authentication, the README's default) on loopback,
-with real SuperLink and SuperNode processes (`-m slow`): a run over it equals the in-process run; a
-SuperNode whose key was never registered, and one that does not trust the federation's CA, are kept
-out and handle nothing, as is one with no key (which asks to register itself: what
-`--enable-supernode-auth` forbids); too few authenticated SuperNodes fail the run in one line, in
-bounded time.
+"""The secured Flower deployment (TLS and SuperNode authentication, the default of
+docs/tutorials/secured-deployment.md) on loopback, with real SuperLink and SuperNode processes (`-m slow`): a run
+over it equals the in-process run; a SuperNode whose key was never registered, and one that does not trust the
+federation's CA, are kept out and handle nothing, as is one with no key (which asks to register itself: what
+`--enable-supernode-auth` forbids); too few authenticated SuperNodes fail the run in one line, in bounded time.
 
 One federation serves the module: a SuperLink with `--enable-supernode-auth`, three registered
 SuperNodes, and one unregistered, one keyless and one untrusting SuperNode (their partition-ids lie

@@ -44,11 +44,23 @@ def test_a_section_is_replaced_in_place_and_the_rest_of_the_page_kept(tmp_path):
     assert "```bash\npython recipes/matu_8task.py --seeds 0 --output-dir 'runs/it'\"'\"'s'\n```" in b  # shell-quoted
 
 
+def test_new_sections_go_before_the_pages_mark(tmp_path):
+    page = tmp_path / "tct.md"
+    page.write_text("# TCT\n\n## Latest runs\n\n<!-- results:new -->\n\n## Recorded by earlier runs\n\nold\n")
+    for section in ("one", "two", "one"):
+        write_results_page(page, section, f"table {section}", ["python", "r.py"], repo=tmp_path, when=WHEN)
+    text = page.read_text()
+    assert text.index("results:one start") < text.index("results:two start") < text.index("<!-- results:new -->") \
+        < text.index("## Recorded by earlier runs")
+    assert text.count("results:one start") == 1 and text.endswith("old\n")
+
+
 def test_a_new_page_is_created_with_a_title(tmp_path):
     page = tmp_path / "results" / "dp.md"
     write_results_page(page, "dp table!", "table", ["python", "recipes/dp_table.py"], repo=tmp_path, when=WHEN)
     text = page.read_text()
-    assert text.startswith("# dp\n\n<!-- results:dp-table start -->") and text.endswith("<!-- results:dp-table end -->\n")
+    assert text.startswith("# dp\n\n<!-- results:dp-table start -->")
+    assert text.endswith("<!-- results:dp-table end -->\n")
 
 
 def test_the_commit_names_uncommitted_changes_but_not_the_results_pages(tmp_path):

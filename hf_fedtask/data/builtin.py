@@ -189,8 +189,8 @@ def load_builtin_task(name: str, *, seed: int = 0, cache_dir=None, train_size: i
 
 
 def load_suite(name: str, *, seed: int = 0, cache_dir=None, train_size: int | None = None) -> list[Task]:
-    """Every task of a suite, in suite order; builds only what is not cached (the build's time: README,
-    "The builtin suites")."""
+    """Every task of a suite, in suite order; builds only what is not cached (the build's time:
+    docs/results/benchmarks.md, "The builtin suites' build")."""
     if name not in SUITES:
         raise DataError(f"unknown suite {name!r}; known suites: {', '.join(SUITES)}")
     train_size = check_train_size(train_size)

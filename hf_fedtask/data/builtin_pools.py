@@ -173,8 +173,8 @@ def _vader_agreement_pool() -> Cells:
 def _kaomoji() -> list[dict]:
     """text/category/intent/subject of every kaomoji of <= MAX_KAOMOJI_CHARS characters. Reads the
     package's compact JSONL and decodes only these four top-level fields: kaomoji_dataset.all() parses
-    the six-language names and keywords too, several times the time and memory (README, "The builtin
-    suites")."""
+    the six-language names and keywords too, several times the time and memory (docs/results/benchmarks.md,
+    "The builtin suites' build")."""
     decoder = json.JSONDecoder()
     fields = ("text", "category", "intent", "subject")
     entries = []

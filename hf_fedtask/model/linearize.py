@@ -10,7 +10,7 @@ fine-tuning); everything else stays frozen at its value. One forward pass with d
 (forward-mode AD over a `functional_call`) gives both terms, and gradients flow to θ through the
 tangent. Frozen layers take fused forward-mode rules (`hf_fedtask.model.tangent_rules`), so that a
 training step costs little more than the extra tangent matmuls (benchmarks/linearize_bench.py measures
-it against an ordinary step; its results are in the README).
+it against an ordinary step; its results are in docs/results/benchmarks.md).
 
 Hand-written because no maintained library wraps an arbitrary (PEFT) `transformers` model this way:
 research code carries the same two modes, the whole network in gortizji/tangent_task_arithmetic
@@ -104,8 +104,8 @@ class LinearizedModel(nn.Module):
     generic formulas, the reference they are tested against; `fused_rules=True` with mode
     'lora_layers', which has no such rules, is refused); `restore()` undoes both. These changes leave
     what the model computes as it was; the L-LoRA layers, which change it, are put in place only while
-    this wrapper's own forward runs, so several wrappers of either mode can share one model (the
-    README's `LinearizedModel(peft_model)` and `LinearizedModel(peft_model, mode="lora_layers")`).
+    this wrapper's own forward runs, so several wrappers of either mode can share one model
+    (`LinearizedModel(peft_model)` and `LinearizedModel(peft_model, mode="lora_layers")`, in that order).
     θ_lin lives on the parameters' device and follows them (`.to(device)`).
     """
 

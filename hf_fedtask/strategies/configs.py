@@ -136,15 +136,15 @@ class F2L2Config(StrategyConfig):
                                   "else relative",
                                   choices=("auto", "relative", "absolute", "objective"))
     removal_rho: float = option(0.002, "ρ of the relative damping λ = ρ·λ_max(H_s): a smaller ρ costs clean "
-                                "accuracy, a larger one lets the backdoor survive (the README's F²L² section)",
+                                "accuracy, a larger one lets the backdoor survive (docs/results/f2l2.md)",
                                 minimum=0.0, exclusive_minimum=True)
     removal_l2: float = option(10.0, "λ of the removal step under removal_damping absolute; equal to l2 > 0 it is "
                                "the exact Newton step of the trained objective", minimum=0.0)
     removal_trust_radius: float = option(1.0, "cap the removal step's norm at this multiple of ‖w* − w₀‖, how far "
                                          "training moved from w₀, raising λ until the step fits (0: no cap): "
                                          "retraining from w₀ for the same rounds ended 0.3-0.7 of that from w* in "
-                                         "the README's settings, and a longer step is one the server's Hessian "
-                                         "cannot vouch for", minimum=0.0)
+                                         "the settings of docs/results/f2l2.md, and a longer step is one the server's "
+                                         "Hessian cannot vouch for", minimum=0.0)
     curvature_rank: int = option(0, "rank of the curvature factor each client uploads with its last-round "
                                  "gradient (the top eigenpairs of its data term's Gauss-Newton Hessian at w₀, by "
                                  "Lanczos; rank × the trainable parameters' floats): the removal then solves with "

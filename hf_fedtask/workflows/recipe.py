@@ -151,7 +151,7 @@ def set_threads(requested: int | None) -> str:
 
 def resource_report(seconds: float) -> str:
     """Wall time, this process's peak resident memory and, where CUDA was used, its peak GPU memory
-    (`torch.cuda.max_memory_allocated`), as the README quotes them."""
+    (`torch.cuda.max_memory_allocated`), as the README and the results pages quote them."""
     import resource
 
     from hf_fedtask.model.device import peak_gpu_memory
@@ -176,6 +176,7 @@ def presets_beside(script: str, **names: str) -> dict[str, Path]:
 # --- results pages: the recipe's table, written into docs/results/<paper>.md with what produced it -------------------
 
 SECTION_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+NEW_SECTIONS = "<!-- results:new -->"  # where a page wants sections it does not hold yet
 
 
 def _section_marks(section: str) -> tuple[str, str]:
@@ -250,9 +251,10 @@ def write_results_page(page: str | os.PathLike, section: str, table_md: str, com
                        repo: str | os.PathLike | None = None, when: datetime | None = None) -> Path:
     """Write `table_md` into the Markdown `page` as the section `section`, between
     `<!-- results:<section> start -->` and `<!-- results:<section> end -->`: a section of that name already there
-    is replaced in place, any other text of the page is kept, and a new section goes at the end (a page that does
-    not exist is created with a title). Above the table: the command (`command`, as a shell line), the commit
-    (`source_commit`), the hardware (`hardware`) and the date (UTC)."""
+    is replaced in place, any other text of the page is kept, and a new section goes just before the page's
+    `<!-- results:new -->` mark, or at the end without one (a page that does not exist is created with a title).
+    Above the table: the commit (`source_commit`), the hardware (`hardware`), the command (`command`, as a shell
+    line) and the date (UTC)."""
     page = Path(page)
     section = SECTION_NAME.sub("-", section).strip("-") or "results"
     start, end = _section_marks(section)
@@ -276,6 +278,9 @@ def write_results_page(page: str | os.PathLike, section: str, table_md: str, com
     found = re.search(re.escape(start) + r".*?" + re.escape(end), text, flags=re.DOTALL)
     if found:
         text = text[:found.start()] + block + text[found.end():]
+    elif NEW_SECTIONS in text:
+        at = text.index(NEW_SECTIONS)
+        text = text[:at] + block + "\n\n" + text[at:]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     page.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ SuperLink (a Ray simulation one with `simulation=True`) and, for a deployment, o
 client with `partition-id` 0..N-1, each in its own process group on a free port, under a private
 FLWR_HOME, stopped by PID (SIGTERM to each group, SIGKILL after 15 s).
 
-A deployment is secured as the README's is (`secure=True`, its default): credentials from
+A deployment is secured as docs/tutorials/secured-deployment.md's is (`secure=True`, its default): credentials from
 `hf_fedtask.engine.flower.credentials` in the workdir, a SuperLink with TLS and
 `--enable-supernode-auth`, each node's public key registered with `flwr supernode register` before the
 SuperNodes start with the CA and their private keys, and the connection in FLWR_HOME's config.toml
