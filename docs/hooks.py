@@ -7,6 +7,8 @@ they never drift from it, and the Results section listed from whatever `docs/res
   help, read from the dataclass fields (`hf_fedtask.core.fields.option`, `allowed_values`).
 - `<!-- generated: strategy-options -->`: each strategy's options, from its config class
   (`hf_fedtask.strategies.registry.strategy_configs`, `hf_fedtask.strategies.configs`).
+- `<!-- generated: builtin-tasks -->`: every builtin task of `builtin-30` / `builtin-8`, from the registry
+  (`hf_fedtask.data.builtin_tasks`).
 
 Everything imported here is light (no torch, datasets or transformers: `tests/test_cli_startup.py` holds the CLI
 and RunConfig to that), so the build stays fast and offline.
@@ -147,4 +149,19 @@ def render_strategy_options() -> str:
     return "\n".join(out)
 
 
-RENDERERS = {"cli": render_cli, "run-config": render_run_config, "strategy-options": render_strategy_options}
+def render_builtin_tasks() -> str:
+    """Every builtin task with its group, labels, question, license and suites, from the registry
+    (`hf_fedtask.data.builtin_tasks`: declarations only, no datasets imported)."""
+    from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS, SUITES
+
+    rows = ["| task | group | labels | question | license | conflict group | builtin-8 |",
+            "|---|---|---|---|---|---|---|"]
+    for name, spec in BUILTIN_TASKS.items():
+        rows.append(f"| `{name}` | {_cell(spec.group)} | {_cell(', '.join(spec.labels))} | "
+                    f"{_cell(spec.description)} | {_cell(spec.license)} | {_cell(spec.conflict_group or '')} | "
+                    f"{'yes' if name in SUITES['builtin-8'] else ''} |")
+    return "\n".join(rows) + "\n"
+
+
+RENDERERS = {"cli": render_cli, "run-config": render_run_config, "strategy-options": render_strategy_options,
+             "builtin-tasks": render_builtin_tasks}

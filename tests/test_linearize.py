@@ -270,8 +270,9 @@ def test_lora_rule_steps_aside_for_disabled_adapters(lora_model, batch):
         assert not torch.allclose(model(**x).logits, base_logits, atol=1e-6)
 
 
-def test_readme_sequence_both_modes_on_one_peft_model(lora_model, batch):
-    """A user's sequence (the Python quick tour's two lines) builds `LinearizedModel(peft_model)` and then
+def test_python_tour_sequence_both_modes_on_one_peft_model(lora_model, batch):
+    """A user's sequence (the two `LinearizedModel` lines of docs/how-to/python-tour.md, "Linearized models,
+    unlearning and client removal") builds `LinearizedModel(peft_model)` and then
     `LinearizedModel(peft_model, mode="lora_layers")` on one PEFT model: both then train (forward and
     backward) and compute, loss and gradients alike, what each computes on a model of its own; the
     model itself stays the ordinary one (the L-LoRA layers are in place only during that wrapper's forward)."""
@@ -280,7 +281,7 @@ def test_readme_sequence_both_modes_on_one_peft_model(lora_model, batch):
     peft_model = lora_model.eval()
     ordinary = copy.deepcopy(peft_model)
     alone = {mode: LinearizedModel(copy.deepcopy(peft_model), mode=mode).eval() for mode in ("network", "lora_layers")}
-    lin = LinearizedModel(peft_model)  # the quick tour's two lines, in its order
+    lin = LinearizedModel(peft_model)  # the Python tour's two lines, in its order
     lin_lora = LinearizedModel(peft_model, mode="lora_layers")
     d = random_direction(peft_model, scale=0.05)
     for model in (peft_model, ordinary, *(w.model for w in alone.values())):
