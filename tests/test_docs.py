@@ -6,7 +6,8 @@
 - Every `hf-fedtask ...` command in a ```bash block of any page parses with the real parser
   (`hf_fedtask.cli.build_parser`), and `run` / `flower run` commands also build their RunConfig (a strategy
   option the strategy does not have is refused there), so a renamed or removed flag fails here. Every ```python
-  block compiles and its `from hf_fedtask... import name` lines resolve; every ```yaml block is a valid RunConfig.
+  block compiles and its `from hf_fedtask... import name` lines resolve (a block that includes a script with
+  pymdownx.snippets, `--8<-- "examples/x.py"`, is checked as that script); every ```yaml block is a valid RunConfig.
 - The pages marked `docs_test: run` in their front matter (the first-run and own-dataset tutorials, the task-vector
   concepts) are executed top to bottom in a fresh folder, at a small size: each ```bash block runs in bash with
   `hf-fedtask` wrapped so that `hf-fedtask run` gets SMALL_RUN (and the page's `docs_test_small`) appended
@@ -66,6 +67,13 @@ def front_matter(text: str) -> dict:
     return {}
 
 
+def expand_snippets(code: str) -> str:
+    """`code` with each `--8<-- "path"` line replaced by that file, as pymdownx.snippets includes it on the site
+    (paths from the repository root: `base_path` in mkdocs.yml), so an included script is checked as what it is."""
+    return re.sub(r'^[ \t]*-{1,}8<-{1,}[ \t]+"([^"]+)"[ \t]*$',
+                  lambda m: (ROOT / m.group(1)).read_text(encoding="utf-8").rstrip("\n"), code, flags=re.M)
+
+
 def blocks(page: Path) -> list[Block]:
     """The fenced code blocks of `page` (indented ones inside lists and admonitions too), in order."""
     lines = page.read_text(encoding="utf-8").splitlines()
@@ -84,8 +92,8 @@ def blocks(page: Path) -> list[Block]:
         while k >= 0 and not lines[k].strip():
             k -= 1
         marker = MARKER.search(lines[k]) if k >= 0 else None
-        out.append(Block(page, i + 1, info.split()[0].lower() if info else "", "\n".join(body) + "\n",
-                         marker.group(1) if marker else ""))
+        code = expand_snippets("\n".join(body) + "\n")
+        out.append(Block(page, i + 1, info.split()[0].lower() if info else "", code, marker.group(1) if marker else ""))
         i = j + 1
     return out
 
