@@ -157,6 +157,27 @@ def test_a_causal_lm_run_over_flower_equals_the_in_process_run(strategy, options
     assert_same_run(reference_run(config), tmp_path / "flower")
 
 
+def test_a_flower_runs_exports_equal_the_in_process_runs_by_value(tiny_bert_dir, tiny_tasks_dir, tmp_path,
+                                                                    reference_run):
+    """Every exported adapter folder: the same tensors and the same JSON (classifier/config.json, tokenizer.json,
+    adapter_config.json, hf_fedtask.json) whichever engine ran (the exported configs are the base's as loaded)."""
+    from safetensors.torch import load_file
+
+    config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", rounds=1, export=True)
+    drive(config)
+    reference = reference_run(config)
+    folders = sorted(p.parent.relative_to(reference) for p in reference.rglob("adapter_model.safetensors"))
+    assert folders
+    for folder in folders:
+        ref, got = reference / folder, tmp_path / "flower" / folder
+        a, b = load_file(ref / "adapter_model.safetensors"), load_file(got / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
+        files = sorted(p.relative_to(ref) for p in ref.rglob("*.json"))
+        assert files == sorted(p.relative_to(got) for p in got.rglob("*.json")), folder
+        for name in files:
+            assert json.loads((ref / name).read_text()) == json.loads((got / name).read_text()), (folder, name)
+
+
 def test_run_through_the_local_grid_engine_equals_the_in_process_run(tiny_bert_dir, tiny_tasks_dir, tmp_path,
                                                                      reference_run):
     config = tiny(tiny_bert_dir, tiny_tasks_dir, tmp_path / "flower", "fedper", rounds=1)

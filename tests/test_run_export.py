@@ -21,6 +21,7 @@ def test_export_rewrites_the_adapters_without_tokenizing_or_partitioning(finishe
     before = {p.parent.name: load_file(p) for p in adapters}
     assert sorted(before) == ["colors", "moods"]
     records = {task: (run_dir / "adapters" / task / "hf_fedtask.json").read_text() for task in before}
+    configs = {task: _json_files(run_dir / "adapters" / task) for task in before}
     shutil.rmtree(run_dir / "adapters")
 
     def forbidden(*args, **kwargs):
@@ -36,6 +37,15 @@ def test_export_rewrites_the_adapters_without_tokenizing_or_partitioning(finishe
         assert tensors_equal(load_file(run_dir / "adapters" / task / "adapter_model.safetensors"), tensors), task
         # what `hf-fedtask evaluate` checks a task against and defaults from, rewritten as the run wrote it
         assert (run_dir / "adapters" / task / "hf_fedtask.json").read_text() == records[task]
+        # every JSON file by value (classifier/config.json included): the exported config is the base's as loaded,
+        # not as the run's training left it (the Trainer sets `use_cache`), so a process that never trained (this
+        # export, a Flower ServerApp) writes what the run wrote
+        assert _json_files(run_dir / "adapters" / task) == configs[task], task
         record = json.loads(records[task])
         assert record["task"] == task and record["max_length"] == 16 and record["modality"] == "text"
         assert record["label_names"] == {"colors": ["red", "blue", "green"], "moods": ["happy", "sad"]}[task]
+
+
+def _json_files(folder) -> dict:
+    """Every JSON file under `folder`, parsed, by relative path."""
+    return {str(p.relative_to(folder)): json.loads(p.read_text()) for p in sorted(folder.rglob("*.json"))}

@@ -205,7 +205,7 @@ def run_export(env: Environment, stores: dict[int, ClientStore] | None) -> RunEx
     return RunExport(config=env.config, strategy=env.strategy, tasks=env.tasks,
                      peft_config=host.model.peft_config["default"], head_keys=host.head_keys,
                      base_model_id=host.base.model_id, stores=stores,
-                     classifier_config=host.classifier_config(), processor=host.inputs.processor,
+                     classifier_config=host.classifier_config(), processor=host.export_processor(),
                      output_space=env.output_space, causal_lm=host.causal_lm)
 
 

@@ -69,6 +69,9 @@ class PeftHost:
         self.shared_head = shared_head
         self.peft_config = peft_config
         self.inputs = load_inputs(base, max_length)
+        # the processor as loaded, for exports: tokenizing sets a fast tokenizer's truncation and padding state,
+        # which `save_pretrained` writes into tokenizer.json (see `_loaded_config` below)
+        self._loaded_processor = copy.deepcopy(self.inputs.processor)
         if peft_config.task_type != self.inputs.peft_head.get("task_type"):
             raise ConfigError(f"{base.model_id} takes {self.inputs.kind} inputs: build its PEFT config with "
                               f"make_peft_config(..., modality={self.inputs.kind!r})")
@@ -80,6 +83,9 @@ class PeftHost:
         except ValueError as e:  # e.g. target_modules missing, or naming no module of this architecture
             raise ConfigError(f"{base.model_id}: the PEFT config does not fit this model "
                               f"({str(e).splitlines()[0]})") from e
+        # the config as loaded, for exports: training changes the live one (the Trainer sets `use_cache`), so an
+        # export from the live config would depend on whether this process trained (in-process) or not (Flower)
+        self._loaded_config = copy.deepcopy(classifier.config)
         if quantization is None:
             self.model.to(device)  # a quantized base was loaded onto the device; its PEFT layers follow it
         self._heads = [m for name, m in self.model.named_modules()
@@ -110,14 +116,18 @@ class PeftHost:
         return autocast(self.device, self.mixed_precision)
 
     def classifier_config(self):
-        """A copy of the classification model's transformers config, naming its class in
-        `architectures` (a checkpoint may name only its backbone, e.g. BertModel)."""
+        """A copy of the classification model's transformers config as loaded (not as training left it), naming
+        its class in `architectures` (a checkpoint may name only its backbone, e.g. BertModel)."""
         classifier = self.model.get_base_model()
-        config = copy.deepcopy(classifier.config)
+        config = copy.deepcopy(self._loaded_config)
         config.architectures = [type(classifier).__name__]
         if hasattr(config, "quantization_config"):  # a QLoRA run's base: exports describe the unquantized one
             del config.quantization_config
         return config
+
+    def export_processor(self):
+        """A copy of the tokenizer or image processor as loaded (not as tokenizing left it), for exports."""
+        return copy.deepcopy(self._loaded_processor)
 
     # -- parameters as tensors -------------------------------------------------------------
     def state(self) -> TaskVector:
