@@ -1,6 +1,7 @@
 """Every script in benchmarks/ has a `--quick` mode that runs the same measurement small: run each as
 a user would (a subprocess, offline) and check it exits 0 and prints its ratio line(s) with usable
-numbers. The goals are for the full sizes and are not asserted. merge_bench takes seconds; the others
+numbers. The goals are for the full sizes and are not asserted. merge_bench and simulation_speed (the small
+MLP on Fashion-MNIST) take seconds; the others
 load the real MiniLM and train it (minutes on a shared box), so they are marked slow. The scripts for a
 GPU machine (device/) are tests/test_gpu_paper_scripts.py's."""
 
@@ -32,6 +33,7 @@ SCRIPTS = {
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
                        rf"^RATIO per_task/unified bytes per round = {NUMBER}$"], False),
+    "simulation_speed.py": ([rf"^RATIO mlp-\d+c today/plain seconds per round = {NUMBER} "], False),
     "client_overhead.py": ([rf"^RATIO ours/bare wall time \(median over pairs\) = {NUMBER} "], True),
     "linearize_bench.py": ([rf"^RATIO linearized/normal \(sdpa\) step time +: {NUMBER} ",
                             rf"^RATIO linearized/normal-eager step time +: {NUMBER} "], True),
