@@ -52,11 +52,12 @@ later configuration's LocalTrainer freezes them, so its gc share is small. The b
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
                "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -64,6 +65,9 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_O
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside the other benchmarks
+from client_overhead import Attribution  # noqa: E402
 
 TEXT_TASKS = ("vader_polarity", "langid_romance")
 
@@ -73,30 +77,7 @@ def load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-# -- attribution of today's time ---------------------------------------------------------------------------
-class Attribution:
-    """Accumulates the wall time spent inside wrapped callables while enabled."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.enabled = False
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def timed(*a, **k):
-            if not self.enabled:
-                return fn(*a, **k)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, timed)
-
-
+# -- attribution of today's time: client_overhead.py's `Attribution` (wall time inside wrapped callables) ----
 ATTR = Attribution()
 PARTS = ("trainer construction", "data load+collate", "forward+backward", "clip+optimizer step",
          "gc.collect (free_memory)", "Trainer.train other", "host load/read state", "evaluation", "server+protocol")
