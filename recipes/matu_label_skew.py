@@ -38,7 +38,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_fedtask.workflows.recipe import add_results_page_arguments, publish_results  # noqa: E402
+from hf_fedtask.errors import FedTaskError  # noqa: E402
+from hf_fedtask.workflows.recipe import (  # noqa: E402
+    add_results_page_arguments,
+    check_results_arguments,
+    publish_results,
+)
 
 METHODS = ("matu_per_task_downlink", "matu", "fedavg", "per_task_fedavg", "scaffold", "fedavg_sgd")
 STUDIES = ("rounds", "epochs")
@@ -175,6 +180,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", default="runs/matu8_skew")
     add_results_page_arguments(parser)
     args, extra = parser.parse_known_args(argv)
+    try:
+        check_results_arguments(args)
+    except FedTaskError as e:
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        return 2
     if not args.tabulate_only:
         run_studies(args, extra)
     table = tabulate(args.output_dir, f"{args.epochs_rounds} rounds × {args.local_epochs:g} epochs")

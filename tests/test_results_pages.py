@@ -94,6 +94,26 @@ def test_recipes_take_results_page_and_name_their_command(tmp_path, monkeypatch,
     assert publish_results(none, "runs/x", "| t |", []) is None  # no page unless asked
 
 
+def test_a_results_section_without_a_page_is_refused_before_any_run(tmp_path):
+    """`--results-section` names a section of `--results-page`: alone it would be accepted and ignored."""
+    import subprocess
+    import sys
+
+    from hf_fedtask.errors import ConfigError
+    from hf_fedtask.workflows.recipe import recipe_config
+
+    args = recipe_parser("r", {}).parse_args(["--output-dir", str(tmp_path / "x"), "--results-section", "s"])
+    with pytest.raises(ConfigError, match=r"^--results-section s: names a section of --results-page"):
+        recipe_config(args, {}, {})
+    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "matu_label_skew.py"), "--tabulate-only",
+                           "--output-dir", str(tmp_path / "y"), "--results-section", "s"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "matu_label_skew.py: error: --results-section s: names a section of --results-page, which was not given; "
+        "add --results-page docs/results/<paper>.md or leave it out"]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 PAGES = {"matu": "matu_8task.py", "fedyolo": "fedyolo_multitask.py", "ntkfedavg": "ntkfedavg_8task.py",
          "tct": "tct_fmnist.py", "f2l2": "f2l2_backdoor.py", "dp": "dp_table.py", "llm": "llm_manytask.py"}
 

@@ -64,6 +64,7 @@ def recipe_config(args: argparse.Namespace, defaults: dict, presets: dict[str, P
     """defaults < preset < --config < flags; also sets torch's threads (`set_threads`) and prints them.
     `ranks`: the recipe is one `run`, which spreads its clients over a multi-process launch; the
     recipes that chain several runs and read their folders run in one process."""
+    check_results_arguments(args)
     here = launch()
     if here.multi_process and not ranks:
         raise ConfigError(f"this recipe chains several runs and reads their folders, so it runs in one process "
@@ -286,6 +287,13 @@ def write_results_page(page: str | os.PathLike, section: str, table_md: str, com
     page.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(page, text)
     return page
+
+
+def check_results_arguments(args: argparse.Namespace) -> None:
+    """Refuse `--results-section` without `--results-page` (it would name a section of no page), before any run."""
+    if getattr(args, "results_section", None) and getattr(args, "results_page", None) is None:
+        raise ConfigError(f"--results-section {args.results_section}: names a section of --results-page, which "
+                          "was not given; add --results-page docs/results/<paper>.md or leave it out")
 
 
 def publish_results(args: argparse.Namespace, output_dir: str | os.PathLike, table_md: str,
