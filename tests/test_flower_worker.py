@@ -10,11 +10,11 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from served_worker import ServedWorker
 
 pytest.importorskip("flwr")
 
@@ -24,31 +24,11 @@ from test_flower_worker_guard import header
 
 from hf_fedtask.engine.flower import handler
 from hf_fedtask.engine.flower.request import ClientRequest
-from hf_fedtask.engine.flower.worker import Worker, _authenticated, forward
+from hf_fedtask.engine.flower.worker import _authenticated, forward
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.errors import WorkerError
 
 reference_run = test_flower.reference_run  # the fixture: a run in process, to compare with
-
-
-class ServedWorker:
-    """A `Worker` serving `handle` in a thread of this process (its socket in `folder`), counting requests."""
-
-    def __init__(self, folder: Path, handle=handler.handle, **options):
-        self.path = str(folder / "w.sock")
-        self.worker = Worker(self.path, **options)
-        self.worker.open()
-        self.handle, self.requests = handle, []
-        self.thread = threading.Thread(target=self.worker.serve, args=(self._counting, sys.stderr), daemon=True)
-        self.thread.start()
-
-    def _counting(self, request):
-        self.requests.append((request.client, request.instruction.kind, request.instruction.round))
-        return self.handle(request)
-
-    def close(self):
-        self.worker.close()
-        self.thread.join(5)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import time
 from multiprocessing.connection import Listener
 
 import pytest
+from served_worker import ServedWorker
 
 from hf_fedtask.engine.flower import worker as worker_module
 from hf_fedtask.engine.flower.request import FIELDS, ClientRequest, ClientResult
@@ -53,31 +54,21 @@ def request_bytes(head) -> bytes:
     return frame(json.dumps(head).encode()) + frame(b"ping") + frame(STORE)
 
 
-class Served:
-    """A `Worker` serving `handle` on a thread, its log kept; `calls` counts the requests handled."""
+class Served(ServedWorker):
+    """A `ServedWorker` answering with `pong` by default, its log kept; `calls` counts the requests handled."""
 
     def __init__(self, folder, handle=pong, **options):
-        self.path = str(folder / "w.sock")
-        self.log = io.StringIO()
-        self.worker = Worker(self.path, **options)
-        self.worker.open()
-        self.handle, self.calls = handle, 0
-        self.thread = threading.Thread(target=self.worker.serve, args=(self._counting, self.log), daemon=True)
-        self.thread.start()
+        super().__init__(folder, handle, io.StringIO(), **options)
 
-    def _counting(self, request):
-        self.calls += 1
-        return self.handle(request)
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
 
     def assert_serves(self):
         """The thread still accepts, and a valid request is answered with its own bytes."""
         assert self.thread.is_alive()
         result = forward(self.path, valid_request(b"check"), handshake_timeout=5)
         assert (result.reply, result.store) == (b"pong:check", b"store:" + STORE)
-
-    def close(self):
-        self.worker.close()
-        self.thread.join(5)
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """The package's import layering: core imports only core and errors, lower layers never import the
 layers above them, the graph of subpackage-level layers has no cycle, and neither has the graph of modules
 (every import, deferred ones in functions and those under `if TYPE_CHECKING:` included: an annotation's
-import is a dependency too). The CLI's start-up path (the modules `hf_fedtask.cli` imports at module level, transitively)
-imports no heavy third-party package."""
+import is a dependency too). The CLI's start-up path (the modules `hf_fedtask.cli` imports at module level,
+transitively) imports no heavy third-party package."""
 
 from __future__ import annotations
 
