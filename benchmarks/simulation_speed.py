@@ -1,5 +1,6 @@
-"""Where the time of a simulated FedAvg round goes: today's in-process path against a plain PyTorch loop
-doing the same optimizer steps on the same data, in the same run.
+"""Where the time of a simulated FedAvg round goes: the in-process engine with each client loop (the
+Trainer's, the lean one) against a plain PyTorch loop doing the same optimizer steps on the same data, in the
+same run.
 
 Configurations (FedAvg, every client sampled every round):
 
@@ -8,14 +9,15 @@ Configurations (FedAvg, every client sampled every round):
   partition of a seeded train subset of N * steps * batch rows (one epoch of `local_steps` batches each).
 * minilm-lora-2t: the default MiniLM with LoRA r=8 on two builtin-8 tasks (one client per task).
 
-Paths (each a function `(Bench) -> seconds of one round`, see PATHS; a new one, e.g. a lean loop or
-batched clients, is one more entry):
+Paths (each a function `(Bench) -> seconds of one round`, see PATHS):
 
-* today: `Federation(config).run_round(state, r)`: the server packs each client's downlink, the
-  in-process transport hands it to the client runtime, which trains through `LocalTrainer.train` (a
+* trainer: `Federation(config).run_round(state, r)` with `client_loop: trainer`: the server packs each
+  client's downlink, the in-process transport hands it to the client runtime, which trains through `LocalTrainer.train` (a
   `transformers.Trainer` per (client, task): TrainingArguments, Accelerator, AdamW, linear schedule,
   DataLoader + collator over the client's prepared `datasets.Dataset`, clipping at max_grad_norm), the
   server unpacks and averages the replies and evaluates every task's test split (eval_batch_size).
+* lean: the same round with `client_loop: lean` (`hf_fedtask.client.lean`): the same optimizer steps bit for bit,
+  over each task's rows collated once and batched by index, without the Trainer's per-call setup.
 * plain: on the same model object (`fed.host.model`, the PEFT model: the same class and init, loaded
   with `host.load_state`), for each (client, task): `torch.optim.AdamW` with the same lr, betas, eps
   and weight decay, the same linear LambdaLR schedule and `clip_grad_norm_(max_grad_norm)`, the same
@@ -25,13 +27,12 @@ batched clients, is one more entry):
   (sample-weighted mean of the shared parameters, each task's head over its holders) and an
   evaluation (accuracy) of each task's same test split in batches of eval_batch_size, with no_grad.
 
-Both paths start from the same initial state and keep their own global state across rounds; the
+All paths start from the same initial state and keep their own global state across rounds; the
 draws of the batches differ (the Trainer's sampler vs a torch permutation), the amount of work does
-not. Rounds alternate today, plain, today, plain ... after one untimed warm-up round of each; the
-seconds per round is the median over --repeats rounds, the ratio today/plain is the ratio of the
-medians. Threads: torch.set_num_threads(--threads) (default 1: the benchmark box has 2 shared cores).
+not. Rounds alternate trainer, lean, plain, trainer, ... after one untimed warm-up round of each; the
+seconds per round is the median over --repeats rounds, a ratio X/plain is the ratio of the medians. Threads: torch.set_num_threads(--threads) (default 1: the benchmark box has 2 shared cores).
 
-Where today's time goes: light wrappers (a perf_counter pair per call) around `Server.evaluate`,
+Where the trainer path's time goes: light wrappers (a perf_counter pair per call) around `Server.evaluate`,
 `LocalTrainer.train`, the `_HostDeviceArguments` and `Trainer` constructors, `Trainer.train`,
 `Trainer.get_batch_samples` (DataLoader: dataset reads + collation), `Trainer.training_step`
 (forward + backward), `Trainer._clip_grad_norm` + `_get_grad_norm`, `AcceleratedOptimizer.step`,
@@ -77,7 +78,7 @@ def load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-# -- attribution of today's time: client_overhead.py's `Attribution` (wall time inside wrapped callables) ----
+# -- attribution of the trainer path's time: client_overhead.py's `Attribution` (wall time inside wrapped callables) ----
 ATTR = Attribution()
 PARTS = ("trainer construction", "data load+collate", "forward+backward", "clip+optimizer step",
          "gc.collect (free_memory)", "Trainer.train other", "host load/read state", "evaluation", "server+protocol")
@@ -130,24 +131,32 @@ def breakdown(raw: dict[str, float], round_seconds: float) -> dict[str, float]:
 # -- the benchmark's setup ---------------------------------------------------------------------------------
 @dataclass
 class Bench:
-    """One configuration: the federation (today's path) and the same data as tensors (the plain path)."""
+    """One configuration: a federation per client loop (the Trainer's, the lean one) and the same data as
+    tensors (the plain path)."""
 
     name: str
     config: object  # RunConfig
-    fed: object = None  # Federation
-    state: object = None  # today's GlobalState
-    round: int = 0
+    feds: dict = field(default_factory=dict)  # client_loop -> Federation
+    states: dict = field(default_factory=dict)  # client_loop -> its GlobalState
+    rounds: dict = field(default_factory=dict)  # client_loop -> rounds run
     plain_global: dict = field(default_factory=dict)  # the plain path's shared params and per-task heads
     train: dict = field(default_factory=dict)  # (client, task) -> tensors
     test: dict = field(default_factory=dict)  # task -> tensors
-    parts: list = field(default_factory=list)  # today's breakdown per timed round
+    parts: list = field(default_factory=list)  # the trainer path's breakdown per timed round
     plain_parts: list = field(default_factory=list)
 
+    @property
+    def fed(self):
+        return self.feds["trainer"]
+
     def setup(self) -> None:
+        import dataclasses
+
         from hf_fedtask.engine.inprocess import Federation
 
-        self.fed = Federation(self.config)
-        self.state = self.fed.initial_state()
+        for loop in LOOPS:
+            self.feds[loop] = Federation(dataclasses.replace(self.config, client_loop=loop))
+            self.states[loop], self.rounds[loop] = self.feds[loop].initial_state(), 0
         collate = self.fed.host.inputs.collator
         for c, tasks in self.fed.allocation.items():
             data = self.fed.client_data(c)
@@ -173,15 +182,28 @@ def take(tensors: dict, idx: torch.Tensor) -> dict:
 
 
 # -- paths: each runs one round of `bench` and returns its wall seconds -------------------------------------
-def today(bench: Bench) -> float:
-    bench.round += 1
-    ATTR.seconds, ATTR.enabled = {}, True
+LOOPS = ("trainer", "lean")
+
+
+def federation_round(bench: Bench, loop: str) -> float:
+    """One round of `hf_fedtask.engine.inprocess.Federation` with `client_loop: loop`."""
+    bench.rounds[loop] += 1
+    ATTR.seconds, ATTR.enabled = {}, loop == "trainer"
     t0 = time.perf_counter()
-    bench.state, _ = bench.fed.run_round(bench.state, bench.round)
+    bench.states[loop], _ = bench.feds[loop].run_round(bench.states[loop], bench.rounds[loop])
     seconds = time.perf_counter() - t0
     ATTR.enabled = False
-    bench.parts.append(breakdown(ATTR.seconds, seconds))
+    if loop == "trainer":
+        bench.parts.append(breakdown(ATTR.seconds, seconds))
     return seconds
+
+
+def trainer(bench: Bench) -> float:
+    return federation_round(bench, "trainer")
+
+
+def lean(bench: Bench) -> float:
+    return federation_round(bench, "lean")
 
 
 def plain(bench: Bench) -> float:
@@ -200,7 +222,7 @@ def plain(bench: Bench) -> float:
         steps = cfg.local_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s, n=steps: max(0.0, (n - s) / n))
         n = len(tensors["labels"])
-        gen = torch.Generator().manual_seed(cfg.seed * 100_003 + bench.round * 1009 + c)
+        gen = torch.Generator().manual_seed(cfg.seed * 100_003 + len(bench.plain_parts) * 1009 + c)
         order = torch.randperm(n, generator=gen)
         pos = 0
         for _ in range(steps):
@@ -241,9 +263,8 @@ def plain(bench: Bench) -> float:
     return t2 - t0
 
 
-PATHS = {"today": today, "plain": plain}
-"""Path name -> function running one round of a Bench and returning its seconds (lean loop, batched
-clients: add them here)."""
+PATHS = {"trainer": trainer, "lean": lean, "plain": plain}
+"""Path name -> function running one round of a Bench and returning its seconds."""
 
 
 # -- configurations ----------------------------------------------------------------------------------------
@@ -315,21 +336,23 @@ def main():
 
     names = list(PATHS)
     print()
-    print(f"{'config':16s}" + "".join(f"{n + ' s/round':>15s}" for n in names) + f"{'today/plain':>13s}"
-          f"{'plain train':>13s}{'plain eval':>12s}")
+    print(f"{'config':16s}" + "".join(f"{n + ' s/round':>15s}" for n in names) + f"{'trainer/plain':>15s}"
+          f"{'lean/plain':>12s}{'plain train':>13s}{'plain eval':>12s}")
     for bench, med, _, pp in results:
-        print(f"{bench.name:16s}" + "".join(f"{med[n]:15.3f}" for n in names) + f"{med['today'] / med['plain']:13.2f}"
+        print(f"{bench.name:16s}" + "".join(f"{med[n]:15.3f}" for n in names)
+              + f"{med['trainer'] / med['plain']:15.2f}{med['lean'] / med['plain']:12.2f}"
               f"{pp['train+aggregate']:13.3f}{pp['evaluation']:12.3f}")
     print()
-    print("where today's round goes (median seconds per round, share of the median round):")
+    print("where the Trainer loop's round goes (median seconds per round, share of the median round):")
     print(f"{'part':24s}" + "".join(f"{b.name:>20s}" for b, *_ in results))
     for part in PARTS:
-        print(f"{part:24s}" + "".join(f"{parts[part]:12.3f} ({parts[part] / med['today']:5.1%})"
+        print(f"{part:24s}" + "".join(f"{parts[part]:12.3f} ({parts[part] / med['trainer']:5.1%})"
                                       for _, med, parts, _ in results))
     print()
     for bench, med, _, _ in results:
-        print(f"RATIO {bench.name} today/plain seconds per round = {med['today'] / med['plain']:.3f} "
-              f"(today {med['today']:.3f} s, plain {med['plain']:.3f} s)")
+        for loop in LOOPS:
+            print(f"RATIO {bench.name} {loop}/plain seconds per round = {med[loop] / med['plain']:.3f} "
+                  f"({loop} {med[loop]:.3f} s, plain {med['plain']:.3f} s)")
     print(f"end: {load()}")
 
 

@@ -38,6 +38,7 @@ from hf_fedtask.strategies.configs import StrategyConfig
 from hf_fedtask.strategies.registry import build_strategy_config, strategy_config_class, strategy_configs
 
 OPTIMIZERS = ("adamw_torch", "sgd")  # transformers' `optim` names
+CLIENT_LOOPS = ("auto", "trainer", "lean")
 # transformers' `lr_scheduler_type` names that need no `lr_scheduler_kwargs` (so not cosine_with_min_lr,
 # warmup_stable_decay, reduce_lr_on_plateau, ...)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -151,6 +152,9 @@ class RunConfig:
     gradient_accumulation_steps: int = option(1, "batches accumulated per optimizer step", minimum=1)
     optimizer: str = option("adamw_torch", "local optimizer (TrainingArguments' optim)", choices=OPTIMIZERS)
     max_grad_norm: float = option(1.0, "gradient clipping norm; 0 turns it off", minimum=0.0)
+    client_loop: str = option("auto", "the local training loop: trainer (a transformers Trainer per client and task) "
+                              "| lean (the same optimizer steps, bit for bit, without the Trainer's per-call setup; "
+                              "refuses fp16) | auto (lean where it applies)", choices=CLIENT_LOOPS)
     # bookkeeping
     eval_batch_size: int = option(128, "evaluation batch size", minimum=1)
     # evaluating every test split is a large share of a round on a CPU (docs/results/matu.md: the main job);
@@ -176,7 +180,7 @@ class RunConfig:
     # fields that may change between a run and its resumption without making it a different run
     RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = (
         "output_dir", "rounds", "report_to", "export", "eval_batch_size", "eval_every", "save_payloads", "device",
-        "generation_eval", "bad_uploads")
+        "generation_eval", "bad_uploads", "client_loop")
 
     def __post_init__(self):
         check_fields(self)  # types, choices and ranges of every field
@@ -186,6 +190,9 @@ class RunConfig:
             raise ConfigError(f"config: suite: must be one of {', '.join(SUITES)}, got {self.suite!r}")
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"config: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.client_loop == "lean" and self.mixed_precision == "fp16":
+            raise ConfigError("config: client_loop: lean does not reproduce fp16's gradient scaler: use trainer or "
+                              "auto (which trains fp16 runs with the Trainer)")
         if self.load_in_4bit and self.load_in_8bit:
             raise ConfigError("config: load_in_4bit and load_in_8bit exclude each other: choose one")
         self._check_clients()

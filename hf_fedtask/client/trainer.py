@@ -14,8 +14,10 @@ import torch
 from datasets import Dataset
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+from hf_fedtask.client.lean import LeanLoop, lean_unsupported
 from hf_fedtask.client.objectives import Objective
 from hf_fedtask.core.taskvector import TaskVector
+from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.device import hide_launch_from_trainers
 from hf_fedtask.model.host import PeftHost
 
@@ -36,6 +38,7 @@ class LocalTrainingArgs:
     max_grad_norm: float
     optimizer: str
     mixed_precision: str  # no | bf16 | fp16: Trainer's autocast; the parameters and task vectors stay fp32
+    client_loop: str  # auto | trainer | lean (hf_fedtask.client.lean)
 
     @classmethod
     def from_run(cls, config) -> LocalTrainingArgs:
@@ -130,7 +133,10 @@ class _ObjectiveTrainer(Trainer):
 
 class LocalTrainer:
     """Runs local training on the host model. Each call is seeded on its own, so a client's result
-    depends only on (state, data, seed) — the property that makes resumed runs bit-identical."""
+    depends only on (state, data, seed) — the property that makes resumed runs bit-identical.
+
+    The loop is a `transformers.Trainer` per call, or (`client_loop` lean, or auto where it applies) the
+    `LeanLoop`, which takes the same optimizer steps without the Trainer's per-call setup."""
 
     def __init__(self, host: PeftHost, args: LocalTrainingArgs):
         self.host = host
@@ -140,11 +146,21 @@ class LocalTrainer:
         # group with a distributed sampler; the federation owns the ranks (hf_fedtask.engine.ranks)
         hide_launch_from_trainers()
         self._scratch = tempfile.TemporaryDirectory(prefix="hf_fedtask_trainer_")
+        unsupported = lean_unsupported(args.mixed_precision, args.optimizer)
+        if args.client_loop == "lean" and unsupported:
+            raise ConfigError(f"config: client_loop: lean: {unsupported}")
+        self.lean = LeanLoop(self._training_args(seed=0), self.collator, self.host.inputs.group_by_length) if (
+            args.client_loop != "trainer" and not unsupported) else None
         # Trainer.train() ends in accelerate's free_memory(), a full gc.collect() over every object of
         # the process on each client call (benchmarks/client_overhead.py times it). The host model,
         # input preparer and data live as long as the run, so move them out of the collector's scans once.
         gc.collect()
         gc.freeze()
+
+    @property
+    def loop(self) -> str:
+        """The loop this trainer runs: lean or trainer."""
+        return "lean" if self.lean is not None else "trainer"
 
     def train(self, state: TaskVector, data: Dataset, *, seed: int, objectives: Sequence[Objective] = (),
               linearize_at: TaskVector | None = None, linearization: str = "network") -> tuple[TaskVector, dict]:
@@ -153,12 +169,17 @@ class LocalTrainer:
         `linearize_at` (a state like `state`), the model trained is the first-order Taylor expansion
         around that point (`hf_fedtask.model.linearize`, mode `linearization`), started at `state`."""
         with self.host.loaded(state, linearize_at, linearization) as model:
-            return self._fit(model, data, seed, objectives)
+            if self.lean is None:
+                return self._fit(model, data, seed, objectives)
+            for objective in objectives:  # as _ObjectiveTrainer.__init__ starts them
+                objective.start(self.host.trainable_by_name())
+            metrics = self.lean.fit(model, data, seed, objectives, self.host.device)
+            return self.host.state(), metrics
 
-    def _fit(self, model, data: Dataset, seed: int, objectives: Sequence[Objective]) -> tuple[TaskVector, dict]:
+    def _training_args(self, seed: int) -> _HostDeviceArguments:
         a = self.args
         device = self.host.device
-        targs = _HostDeviceArguments(  # the one place hf_fedtask's setting names become transformers'
+        return _HostDeviceArguments(  # the one place hf_fedtask's setting names become transformers'
             output_dir=self._scratch.name,
             per_device_train_batch_size=a.batch_size,
             num_train_epochs=a.local_epochs,
@@ -185,9 +206,11 @@ class LocalTrainer:
             remove_unused_columns=False,
             **_length_grouping(self.host.inputs.group_by_length),
         )
+
+    def _fit(self, model, data: Dataset, seed: int, objectives: Sequence[Objective]) -> tuple[TaskVector, dict]:
         trainer = _ObjectiveTrainer(
             model=model,
-            args=targs,
+            args=self._training_args(seed),
             train_dataset=data,
             data_collator=self.collator,
             objectives=objectives,

@@ -203,7 +203,7 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
     is scored, and a progress bar over the examples shows on passes that take more than a few seconds."""
     import numpy as np
 
-    from hf_fedtask.client.evaluation import predict_batches
+    from hf_fedtask.client.evaluation import labels_of, predict_batches
     from hf_fedtask.data import BUILTIN_TASKS, load_task
     from hf_fedtask.metrics import compute
     from hf_fedtask.model.backbone import resolve_base_model
@@ -274,7 +274,7 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
     prepared = inputs.prepare(data, t)  # as a run prepares it: token ids, pixels, or instructions
     preds = predict_batches(model, inputs, prepared, batch_size, model_device(model),
                             progress=f"evaluate {t.name}" if progress else None)
-    truth = np.asarray(prepared["labels"])
+    truth = labels_of(prepared)
     out = {"task": t.name, "split": split, "accuracy": compute("accuracy", truth, preds),
            "num_examples": len(truth), "split_examples": total,
            "max_test_samples": cap if cap and cap < total else None,
