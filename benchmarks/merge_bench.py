@@ -35,6 +35,16 @@ Methods, each called on the same inputs:
                  is checked equal to unify's (the unified vector and every mask bit for bit, the
                  rescalers to 1e-6 relative) before any ratio is printed.
 
+  ties_batched   ties(backend="batched"): the path taken on an accelerator (`hf_fedtask/merge/batched.py`:
+                 all tasks stacked per chunk, one topk per group of populations, a few ops per chunk), here
+                 on the CPU; checked equal to ties bit for bit
+  unify_batched  unify(backend="batched"), the same; checked equal to unify (vector and masks bit for bit,
+                 rescalers to 1e-6 relative)
+  task_arithmetic          hf_fedtask.merge.task_arithmetic(backend="torch"): one add_ per task and key
+  task_arithmetic_batched  task_arithmetic(backend="batched"): one multi-tensor add per task over all keys;
+                 checked equal to task_arithmetic bit for bit
+  peft_task_arithmetic     peft.utils.merge_utils.task_arithmetic once per parameter (it stacks the N tensors)
+
   mean           hf_fedtask.merge.weighted_average on the list of N vectors (FedAvg's aggregate): one
                  fused pass, float64 sums per cache-sized chunk, each input read once
   mean_stream    weighted_average on a generator of the N vectors (as from files): a fused running
@@ -60,6 +70,11 @@ Ratios, each named by what is divided by what (time = best wall time, mem = peak
                                                 time and its peak moves from run to run)
   ties_work_mem/peft_ties_work_mem              the same ratio beyond the output: peak extra memory less
                                                 the d float32 of the result, ours over peft's
+  peft_ties_time/ties_batched_time              the batched path (the accelerator's) against peft, on the CPU
+  ties_batched_time/ties_time                   the batched path over the fused kernels on the CPU (why the
+                                                CPU keeps the kernels)
+  stacked_unify_time/unify_batched_time         the batched unify against the plain stacked unify
+  peft_task_arithmetic_time/task_arithmetic_batched_time   batched task arithmetic against peft's
   stacked_unify_time/unify_time                 speed-up of streaming unify over stacked unify
   unify_mem/stacked_unify_mem                   streaming unify's peak extra memory over stacked's
   mean_time/floor_time, mean_stream_time/floor_time, agreement_time/floor_time   the other fused
@@ -126,7 +141,7 @@ import torch
 from peft.utils import merge_utils as peft_merge
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import agreement_mask, kernels, threshold_select, ties, unify, weighted_average
+from hf_fedtask.merge import agreement_mask, kernels, task_arithmetic, threshold_select, ties, unify, weighted_average
 from hf_fedtask.merge.streaming import Layout, chunk_len
 from hf_fedtask.merge.ties import _select_all
 
@@ -152,6 +167,10 @@ GOALS = {
     "ties_work_mem/peft_ties_work_mem": None,
     "stacked_unify_time/unify_time": None,
     "unify_mem/stacked_unify_mem": None,
+    "peft_ties_time/ties_batched_time": None,
+    "ties_batched_time/ties_time": None,
+    "stacked_unify_time/unify_batched_time": None,
+    "peft_task_arithmetic_time/task_arithmetic_batched_time": None,
     "mean_time/floor_time": None,
     "mean_stream_time/floor_time": None,
     "agreement_time/floor_time": None,
@@ -203,6 +222,11 @@ def peft_ties(vectors: list[TaskVector], weights: list[float], density: float) -
     return {key: peft_merge.ties([tv[key] for tv in vectors], w, density, "total") for key in vectors[0]}
 
 
+def peft_task_arithmetic(vectors: list[TaskVector], weights: list[float]) -> dict[str, torch.Tensor]:
+    w = torch.tensor(weights, device=next(iter(vectors[0].values())).device)
+    return {key: peft_merge.task_arithmetic([tv[key] for tv in vectors], w) for key in vectors[0]}
+
+
 @torch.no_grad()
 def stacked_unify(vectors: list[TaskVector]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """unify's math (global-sum rescalers) written plainly on an N×d stack: (flat unified vector,
@@ -238,6 +262,22 @@ def check_unify_matches_stacked(ours, reference, n: int) -> float:
     rel = float(((got - rescalers).abs() / rescalers.abs().clamp(min=1e-300)).max())
     if rel > 1e-6:
         raise SystemExit(f"unify and stacked_unify rescalers differ by {rel:.3g} (relative): the comparison is void")
+    return rel
+
+
+def check_batched(outputs: dict, keys) -> float:
+    """Raise unless the batched path's outputs equal the reference ones (ties, task arithmetic, unify's
+    vector and masks bit for bit); return unify's largest relative rescaler difference."""
+    for name, reference in (("ties_batched", "ties"), ("task_arithmetic_batched", "task_arithmetic")):
+        if not all(torch.equal(outputs[name][k], outputs[reference][k]) for k in keys):
+            raise SystemExit(f"{name} and {reference} disagree: the comparison is void")
+    ours, reference = outputs["unify_batched"], outputs["unify"]
+    if not (all(torch.equal(ours.vector[k], reference.vector[k]) for k in keys)
+            and all(torch.equal(a, b) for a, b in zip(ours.masks, reference.masks, strict=True))):
+        raise SystemExit("unify_batched and unify disagree: the comparison is void")
+    rel = max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(ours.rescalers, reference.rescalers))
+    if rel > 1e-6:
+        raise SystemExit(f"unify_batched and unify rescalers differ by {rel:.3g} (relative): the comparison is void")
     return rel
 
 
@@ -378,6 +418,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "unify": lambda: unify(vectors),
         "unify_torch": lambda: unify(vectors, backend="torch"),
         "stacked_unify": lambda: stacked_unify(vectors),
+        "ties_batched": lambda: ties(vectors, weights, args.density, backend="batched"),
+        "unify_batched": lambda: unify(vectors, backend="batched"),
+        "task_arithmetic": lambda: task_arithmetic(vectors, weights, backend="torch"),
+        "task_arithmetic_batched": lambda: task_arithmetic(vectors, weights, backend="batched"),
+        "peft_task_arithmetic": lambda: peft_task_arithmetic(vectors, weights),
         "mean": lambda: weighted_average(vectors, weights),
         "mean_stream": lambda: weighted_average(iter(vectors), weights),
         "mean_torch": lambda: weighted_average(iter(vectors), weights, backend="torch"),
@@ -400,6 +445,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not np.array_equal(np.array(sampled, dtype=np.float32), outputs["model_select_radix"].view(np.float32)):
         raise SystemExit("the sampled and radix selections disagree: the comparison is void")
     rescaler_diff = check_unify_matches_stacked(outputs["unify"], outputs["stacked_unify"], args.n)
+    batched_rescaler_diff = check_batched(outputs, vectors[0])
+    ta_diff = max(float((outputs["task_arithmetic_batched"][k] - outputs["peft_task_arithmetic"][k]).abs().max())
+                  for k in vectors[0])
     for fused, reference in (("mean", "mean_torch"), ("mean_stream", "mean_torch"), ("agreement", "agreement_torch")):
         if not all(torch.equal(outputs[fused][k].view(torch.int32),
                                outputs[reference][k].contiguous().view(torch.int32))
@@ -407,14 +455,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             raise SystemExit(f"{fused} and {reference} disagree: the comparison is void")
     outputs.clear()
 
-    print(f"\n{'method':<19}{'time s':>10}{'peak extra MiB':>16}{'paired floor s':>16}")
+    print(f"\n{'method':<25}{'time s':>10}{'peak extra MiB':>16}{'paired floor s':>16}")
     for name, (seconds, mem) in results.items():
         paired = f"{floor_of[name]:>16.3f}" if name in FLOOR_PAIRED else ""
-        print(f"{name:<19}{seconds:>10.3f}{mem / 2**20:>16.1f}{paired}")
+        print(f"{name:<25}{seconds:>10.3f}{mem / 2**20:>16.1f}{paired}")
     print(f"max |ties - peft_ties| = {ties_diff:.3g}; ties == ties_torch and unify == unify_torch (vector, masks)")
     print(f"unify == stacked_unify: unified vector and all {args.n} masks identical, "
           f"max relative rescaler difference {rescaler_diff:.3g}")
     print("mean, mean_stream == mean_torch; agreement == agreement_torch (bit for bit)")
+    print(f"ties_batched == ties, task_arithmetic_batched == task_arithmetic (bit for bit); unify_batched == unify "
+          f"(vector, masks; rescalers max relative difference {batched_rescaler_diff:.3g}); "
+          f"max |task_arithmetic_batched - peft_task_arithmetic| = {ta_diff:.3g}")
 
     output_bytes = args.d * 4  # the merged vector: d float32
     time_of = {name: seconds for name, (seconds, _) in results.items()}
@@ -433,6 +484,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "ties_work_mem/peft_ties_work_mem": max(mem_of["ties"] - output_bytes, PAGE)
         / max(mem_of["peft_ties"] - output_bytes, PAGE),
         "stacked_unify_time/unify_time": time_of["stacked_unify"] / time_of["unify"],
+        "peft_ties_time/ties_batched_time": time_of["peft_ties"] / time_of["ties_batched"],
+        "ties_batched_time/ties_time": time_of["ties_batched"] / time_of["ties"],
+        "stacked_unify_time/unify_batched_time": time_of["stacked_unify"] / time_of["unify_batched"],
+        "peft_task_arithmetic_time/task_arithmetic_batched_time":
+            time_of["peft_task_arithmetic"] / time_of["task_arithmetic_batched"],
         "unify_mem/stacked_unify_mem": mem_of["unify"] / mem_of["stacked_unify"],
         "mean_time/floor_time": time_of["mean"] / floor_of["mean"],
         "mean_stream_time/floor_time": time_of["mean_stream"] / floor_of["mean_stream"],
@@ -441,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "mean_torch_time/mean_stream_time": time_of["mean_torch"] / time_of["mean_stream"],
         "agreement_torch_time/agreement_time": time_of["agreement_torch"] / time_of["agreement"],
     }
-    print(f"\n{'':<6}{'ratio':<44}{'value':>8}  goal")
+    print(f"\n{'':<6}{'ratio':<56}{'value':>8}  goal")
     for name, value in ratios.items():
         if GOALS[name] is None:
             verdict = "(no goal)"
@@ -449,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             goal, at_least = GOALS[name]
             ok = value >= goal if at_least else value <= goal
             verdict = f"{'≥' if at_least else '≤'} {goal:g} {'met' if ok else 'NOT met'}"
-        print(f"{'RATIO':<6}{name:<44}{value:>8.3f}  {verdict}")
+        print(f"{'RATIO':<6}{name:<56}{value:>8.3f}  {verdict}")
     return ratios
 
 

@@ -12,12 +12,16 @@ Configurations (FedAvg, every client sampled every round):
 Paths (each a function `(Bench) -> seconds of one round`, see PATHS):
 
 * trainer: `Federation(config).run_round(state, r)` with `client_loop: trainer`: the server packs each
-  client's downlink, the in-process transport hands it to the client runtime, which trains through `LocalTrainer.train` (a
+  client's downlink, the in-process transport hands it to the client runtime, which trains through
+  `LocalTrainer.train` (a
   `transformers.Trainer` per (client, task): TrainingArguments, Accelerator, AdamW, linear schedule,
   DataLoader + collator over the client's prepared `datasets.Dataset`, clipping at max_grad_norm), the
   server unpacks and averages the replies and evaluates every task's test split (eval_batch_size).
 * lean: the same round with `client_loop: lean` (`hf_fedtask.client.lean`): the same optimizer steps bit for bit,
   over each task's rows collated once and batched by index, without the Trainer's per-call setup.
+* batched: the lean loop with `batch_clients: auto` (`hf_fedtask.client.batched`): the round's clients trained
+  together, K copies of the model in one vmapped step (where the step has no randomness; MiniLM's dropout
+  falls back to the lean loop, one client at a time).
 * plain: on the same model object (`fed.host.model`, the PEFT model: the same class and init, loaded
   with `host.load_state`), for each (client, task): `torch.optim.AdamW` with the same lr, betas, eps
   and weight decay, the same linear LambdaLR schedule and `clip_grad_norm_(max_grad_norm)`, the same
@@ -30,7 +34,8 @@ Paths (each a function `(Bench) -> seconds of one round`, see PATHS):
 All paths start from the same initial state and keep their own global state across rounds; the
 draws of the batches differ (the Trainer's sampler vs a torch permutation), the amount of work does
 not. Rounds alternate trainer, lean, plain, trainer, ... after one untimed warm-up round of each; the
-seconds per round is the median over --repeats rounds, a ratio X/plain is the ratio of the medians. Threads: torch.set_num_threads(--threads) (default 1: the benchmark box has 2 shared cores).
+seconds per round is the median over --repeats rounds, a ratio X/plain is the ratio of the medians. Threads:
+torch.set_num_threads(--threads) (default 1: the benchmark box has 2 shared cores).
 
 Where the trainer path's time goes: light wrappers (a perf_counter pair per call) around `Server.evaluate`,
 `LocalTrainer.train`, the `_HostDeviceArguments` and `Trainer` constructors, `Trainer.train`,
@@ -48,6 +53,7 @@ later configuration's LocalTrainer freezes them, so its gc share is small. The b
 
     python benchmarks/simulation_speed.py --quick     # MLP, 3 clients, seconds
     python benchmarks/simulation_speed.py             # MLP and CNN at 10 and 100 clients, MiniLM+LoRA
+    python benchmarks/simulation_speed.py --results-page docs/results/benchmarks.md   # and record the table
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ def load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-# -- attribution of the trainer path's time: client_overhead.py's `Attribution` (wall time inside wrapped callables) ----
+# -- attribution of the trainer path's time: client_overhead.py's `Attribution` (wall time in wrapped callables) ---
 ATTR = Attribution()
 PARTS = ("trainer construction", "data load+collate", "forward+backward", "clip+optimizer step",
          "gc.collect (free_memory)", "Trainer.train other", "host load/read state", "evaluation", "server+protocol")
@@ -155,7 +161,9 @@ class Bench:
         from hf_fedtask.engine.inprocess import Federation
 
         for loop in LOOPS:
-            self.feds[loop] = Federation(dataclasses.replace(self.config, client_loop=loop))
+            options = {"client_loop": "lean" if loop == "batched" else loop,
+                       "batch_clients": "auto" if loop == "batched" else "off"}
+            self.feds[loop] = Federation(dataclasses.replace(self.config, **options))
             self.states[loop], self.rounds[loop] = self.feds[loop].initial_state(), 0
         collate = self.fed.host.inputs.collator
         for c, tasks in self.fed.allocation.items():
@@ -182,11 +190,12 @@ def take(tensors: dict, idx: torch.Tensor) -> dict:
 
 
 # -- paths: each runs one round of `bench` and returns its wall seconds -------------------------------------
-LOOPS = ("trainer", "lean")
+LOOPS = ("trainer", "lean", "batched")
 
 
 def federation_round(bench: Bench, loop: str) -> float:
-    """One round of `hf_fedtask.engine.inprocess.Federation` with `client_loop: loop`."""
+    """One round of `hf_fedtask.engine.inprocess.Federation` with `client_loop: loop` (batched: the lean loop
+    with `batch_clients: auto`)."""
     bench.rounds[loop] += 1
     ATTR.seconds, ATTR.enabled = {}, loop == "trainer"
     t0 = time.perf_counter()
@@ -204,6 +213,10 @@ def trainer(bench: Bench) -> float:
 
 def lean(bench: Bench) -> float:
     return federation_round(bench, "lean")
+
+
+def batched(bench: Bench) -> float:
+    return federation_round(bench, "batched")
 
 
 def plain(bench: Bench) -> float:
@@ -263,7 +276,7 @@ def plain(bench: Bench) -> float:
     return t2 - t0
 
 
-PATHS = {"trainer": trainer, "lean": lean, "plain": plain}
+PATHS = {"trainer": trainer, "lean": lean, "batched": batched, "plain": plain}
 """Path name -> function running one round of a Bench and returning its seconds."""
 
 
@@ -282,7 +295,8 @@ def configurations(args) -> list[Bench]:
 
     if args.quick:
         return [image("mlp", SMALL_MLP, args.clients[0])]
-    benches = [image(name, model, n) for n in args.clients for name, model in (("mlp", SMALL_MLP), ("cnn", SMALL_CNN))]
+    models = {"mlp": SMALL_MLP, "cnn": SMALL_CNN}
+    benches = [image(name, models[name], n) for n in args.clients for name in args.models]
     if not args.no_text:
         benches.append(Bench(f"minilm-lora-{len(TEXT_TASKS)}t", RunConfig(tasks=list(TEXT_TASKS), suite=None,
                                                                           **common)))
@@ -310,10 +324,14 @@ def main():
     p.add_argument("--test-samples", type=int, default=1000, help="max_test_samples per task (1000)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of each path, median reported (3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    p.add_argument("--models", default="mlp,cnn", help="image models of the image configurations (mlp,cnn)")
     p.add_argument("--no-text", action="store_true", help="skip the MiniLM+LoRA configuration")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results-page", help="also write the table as a section of this Markdown page "
+                   "(docs/results/benchmarks.md), with the commit, hardware and command")
     args = p.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]
+    args.models = [m for m in args.models.split(",") if m]
     if args.quick:
         args.clients, args.steps, args.repeats, args.test_samples = [3], 3, 2, 256
     torch.set_num_threads(args.threads)
@@ -336,12 +354,12 @@ def main():
 
     names = list(PATHS)
     print()
-    print(f"{'config':16s}" + "".join(f"{n + ' s/round':>15s}" for n in names) + f"{'trainer/plain':>15s}"
-          f"{'lean/plain':>12s}{'plain train':>13s}{'plain eval':>12s}")
+    print(f"{'config':16s}" + "".join(f"{n + ' s/round':>15s}" for n in names)
+          + "".join(f"{loop + '/plain':>15s}" for loop in LOOPS) + f"{'plain train':>13s}{'plain eval':>12s}")
     for bench, med, _, pp in results:
         print(f"{bench.name:16s}" + "".join(f"{med[n]:15.3f}" for n in names)
-              + f"{med['trainer'] / med['plain']:15.2f}{med['lean'] / med['plain']:12.2f}"
-              f"{pp['train+aggregate']:13.3f}{pp['evaluation']:12.3f}")
+              + "".join(f"{med[loop] / med['plain']:15.2f}" for loop in LOOPS)
+              + f"{pp['train+aggregate']:13.3f}{pp['evaluation']:12.3f}")
     print()
     print("where the Trainer loop's round goes (median seconds per round, share of the median round):")
     print(f"{'part':24s}" + "".join(f"{b.name:>20s}" for b, *_ in results))
@@ -354,6 +372,20 @@ def main():
             print(f"RATIO {bench.name} {loop}/plain seconds per round = {med[loop] / med['plain']:.3f} "
                   f"({loop} {med[loop]:.3f} s, plain {med['plain']:.3f} s)")
     print(f"end: {load()}")
+    if args.results_page:
+        from hf_fedtask.workflows.recipe import write_results_page
+
+        rows = ["| config | " + " | ".join(f"{n} s/round" for n in names) + " | "
+                + " | ".join(f"{loop}/plain" for loop in LOOPS) + " |",
+                "|---" * (1 + len(names) + len(LOOPS)) + "|"]
+        rows += [f"| {b.name} | " + " | ".join(f"{med[n]:.3f}" for n in names) + " | "
+                 + " | ".join(f"{med[loop] / med['plain']:.2f}" for loop in LOOPS) + " |" for b, med, _, _ in results]
+        note = (f"\nMedians of {args.repeats} alternating rounds per path after a warm-up round; torch threads "
+                f"{args.threads}; {args.steps} local steps of batch {args.batch_size} per (client, task); "
+                f"{args.test_samples} test rows per task; box load at the end: {load()}.\n")
+        write_results_page(args.results_page, "simulation-speed", "\n".join(rows) + "\n" + note,
+                           ["python", "benchmarks/simulation_speed.py", *sys.argv[1:]],
+                           repo=Path(__file__).resolve().parents[1])
 
 
 if __name__ == "__main__":

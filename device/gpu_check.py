@@ -30,9 +30,11 @@ Sections (--sections picks some):
   entk         entk_features (batched) vs per_sample_loop (TCT's per-sample backward loop; Yu et al., NeurIPS
                2022) as benchmarks/entk_bench.py, with torch.cuda.synchronize; goal ≥ 10×.
   linearize    a LinearizedModel step / an ordinary (sdpa) step as benchmarks/linearize_bench.py; goal ≤ 1.5.
-  merge        TIES (Yadav et al., NeurIPS 2023) and unify of N=30, d=10M on device tensors vs
-               peft.utils.merge_utils.ties and merge_bench's stacked unify there; the device results against
-               the CPU kernels on the same inputs at d=1M.
+  merge        TIES (Yadav et al., NeurIPS 2023), unify and task arithmetic of N=30, d=10M on device tensors,
+               the batched path ("auto" there; backend="batched" under --device cpu), vs
+               peft.utils.merge_utils.ties / task_arithmetic and merge_bench's stacked unify there, and TIES'
+               streaming torch path (the device's path before, one call); goal: peft's TIES time / ours
+               ≥ 1. The device results against the CPU kernels on the same inputs at d=1M.
   qlora        LoRA over a 4-bit and an 8-bit base (QLoRA, Dettmers et al., arXiv:2305.14314), 2 rounds; the
                adapter must reload with stock PEFT over the unquantized base.
   pytest_cuda  pytest -m cuda on the test files holding cuda-marked tests.
@@ -1044,42 +1046,47 @@ def section_linearize(ctx: Context) -> dict:
                   f"linearized/normal step {ratios}{goal}" + (f"; {'; '.join(problems)}" if problems else ""), **out)
 
 
-# -- d. TIES / unify on device tensors vs peft and the stacked unify --------------------------------
+# -- d. TIES / unify / task arithmetic on device tensors vs peft and the stacked unify ---------------
+
+MERGE_GOAL = 1.0  # our batched TIES at most peft's time on the same device tensors: peft_ties_time/ties_time >= 1
+
 
 def section_merge(ctx: Context) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from merge_bench import layout_sizes, make_inputs, stacked_unify  # benchmarks/: inputs and the stacked unify
+    from merge_bench import layout_sizes, make_inputs, peft_task_arithmetic, stacked_unify  # benchmarks/
     from peft.utils import merge_utils as peft_merge
 
     from hf_fedtask.core.taskvector import TaskVector
-    from hf_fedtask.merge import ties, unify
+    from hf_fedtask.merge import task_arithmetic, ties, unify
     from hf_fedtask.merge.bitmask import unpack_bits
 
     s = ctx.size
     n, d, density = s["merge_n"], s["merge_d"], 0.2
     device = torch.device(ctx.device)
     weights = [0.5 + t / n for t in range(n)]
-    subject_backend = "auto" if ctx.cuda else "torch"  # on the CPU the device path is the torch reference path
+    subject = "batched"  # what "auto" takes on an accelerator; named, so that the CPU proof runs the same path
 
-    # correctness: the device path against the CPU kernels on the same inputs, at a smaller d
+    # correctness: the batched path on the device against the CPU kernels on the same inputs, at a smaller d
     small = make_inputs(n, s["merge_cpu_d"], seed=0)
     on_device = [TaskVector({k: v.to(device) for k, v in tv.items()}) for tv in small]
-    ref_ties, dev_ties = ties(small, weights, density), ties(on_device, weights, density, backend=subject_backend)
+    ref_ties, dev_ties = ties(small, weights, density), ties(on_device, weights, density, backend=subject)
     ties_rel = max(float((dev_ties[k].cpu() - ref_ties[k]).norm() / ref_ties[k].norm().clamp(min=1e-12))
                    for k in ref_ties)
     ties_exact = all(torch.equal(dev_ties[k].cpu(), ref_ties[k]) for k in ref_ties)
-    ref_u, dev_u = unify(small), unify(on_device, backend=subject_backend)
+    ref_u, dev_u = unify(small), unify(on_device, backend=subject)
     unify_exact = all(torch.equal(dev_u.vector[k].cpu(), ref_u.vector[k]) for k in ref_u.vector)
     masks_equal = all(torch.equal(a.cpu(), b) for a, b in zip(dev_u.masks, ref_u.masks, strict=True))
     resc_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(dev_u.rescalers, ref_u.rescalers, strict=True))
+    ref_ta, dev_ta = task_arithmetic(small, weights), task_arithmetic(on_device, weights, backend=subject)
+    ta_rel = max(float((dev_ta[k].cpu() - ref_ta[k]).norm() / ref_ta[k].norm().clamp(min=1e-12)) for k in ref_ta)
     del small, on_device
-    print(f"merge: {device} vs the CPU kernels at N={n}, d={s['merge_cpu_d']:,}: ties max rel {ties_rel:.1e} "
-          f"(bit for bit: {ties_exact}); unify vector bit for bit: {unify_exact}, masks equal: {masks_equal}, "
-          f"rescalers max rel {resc_rel:.1e}")
+    print(f"merge: batched on {device} vs the CPU kernels at N={n}, d={s['merge_cpu_d']:,}: ties max rel "
+          f"{ties_rel:.1e} (bit for bit: {ties_exact}); unify vector bit for bit: {unify_exact}, masks equal: "
+          f"{masks_equal}, rescalers max rel {resc_rel:.1e}; task arithmetic max rel {ta_rel:.1e}")
 
-    # speed: N x d on the device
+    # speed: N x d on the device; ties_torch (the streaming path the device took before) is called once
     gen = torch.Generator(device=device).manual_seed(0)
     sizes_ = layout_sizes("tensors8", d)
     vectors = [TaskVector({k: torch.randn(m, generator=gen, device=device) for k, m in sizes_.items()})
@@ -1089,12 +1096,15 @@ def section_merge(ctx: Context) -> dict:
     def peft_ties():
         return {k: peft_merge.ties([tv[k] for tv in vectors], w, density, "total") for k in vectors[0]}
 
-    runs = {"ties": lambda: ties(vectors, weights, density, backend=subject_backend), "peft_ties": peft_ties,
-            "unify": lambda: unify(vectors, backend=subject_backend), "stacked_unify": lambda: stacked_unify(vectors)}
+    runs = {"ties": lambda: ties(vectors, weights, density, backend=subject), "peft_ties": peft_ties,
+            "ties_torch": lambda: ties(vectors, weights, density, backend="torch"),
+            "unify": lambda: unify(vectors, backend=subject), "stacked_unify": lambda: stacked_unify(vectors),
+            "task_arithmetic": lambda: task_arithmetic(vectors, weights, backend=subject),
+            "peft_task_arithmetic": lambda: peft_task_arithmetic(vectors, weights)}
     times, mems, outputs = {}, {}, {}
     for name, fn in runs.items():
         best, peak = math.inf, None
-        for _ in range(s["merge_repeat"]):
+        for _ in range(1 if name == "ties_torch" else s["merge_repeat"]):
             outputs[name] = None
             if ctx.cuda:
                 torch.cuda.synchronize()
@@ -1112,6 +1122,11 @@ def section_merge(ctx: Context) -> dict:
     # arbitrary one of the tied entries and ours the first in flat order, which can flip the elected sign
     peft_off = sum(int(((outputs["ties"][k] - outputs["peft_ties"][k]).abs()
                         > 1e-5 * (1 + outputs["peft_ties"][k].abs())).sum()) for k in vectors[0])
+    torch_equal = all(torch.equal(outputs["ties"][k], outputs["ties_torch"][k]) for k in vectors[0])
+    ta_diff = max(float((outputs["task_arithmetic"][k] - outputs["peft_task_arithmetic"][k]).abs().max())
+                  for k in vectors[0])
+    ta_off = sum(int(((outputs["task_arithmetic"][k] - outputs["peft_task_arithmetic"][k]).abs()
+                      > 1e-5 * (1 + outputs["peft_task_arithmetic"][k].abs())).sum()) for k in vectors[0])
     st_vec, st_masks, st_resc = outputs["stacked_unify"]
     stacked_equal = torch.equal(outputs["unify"].vector.flatten(), st_vec)
     stacked_masks = all(torch.equal(unpack_bits(outputs["unify"].masks[t].cpu(), d).bool(), st_masks[t].cpu())
@@ -1122,34 +1137,53 @@ def section_merge(ctx: Context) -> dict:
     if ctx.cuda:
         torch.cuda.empty_cache()
     ratios = {"peft_ties_time/ties_time": times["peft_ties"] / times["ties"],
+              "ties_torch_time/ties_time": times["ties_torch"] / times["ties"],
+              "peft_task_arithmetic_time/task_arithmetic_time":
+                  times["peft_task_arithmetic"] / times["task_arithmetic"],
               "stacked_unify_time/unify_time": times["stacked_unify"] / times["unify"]}
     if ctx.cuda:
         ratios["ties_mem/peft_ties_mem"] = mems["ties"] / max(mems["peft_ties"], 1)
+        ratios["task_arithmetic_mem/peft_task_arithmetic_mem"] = (mems["task_arithmetic"]
+                                                                  / max(mems["peft_task_arithmetic"], 1))
         ratios["unify_mem/stacked_unify_mem"] = mems["unify"] / max(mems["stacked_unify"], 1)
-    print(f"merge: N={n}, d={d:,} float32 on {device}, best of {s['merge_repeat']}: " +
+    print(f"merge: N={n}, d={d:,} float32 on {device}, best of {s['merge_repeat']} (ties_torch: 1 call): " +
           ", ".join(f"{k} {times[k] * 1e3:.1f} ms" + (f" ({mib(mems[k])} MiB extra)" if mems[k] is not None else "")
                     for k in runs))
     print(f"merge: max |ties - peft_ties| = {peft_diff:.3g}, {peft_off} of {d:,} entries beyond rounding (ties at "
-          f"a threshold); unify == stacked_unify: vector {stacked_equal}, masks {stacked_masks}, rescalers max rel "
-          f"{stacked_resc:.1e}")
+          f"a threshold); ties == ties_torch: {torch_equal}; max |task_arithmetic - peft| = {ta_diff:.3g} "
+          f"({ta_off} entries beyond rounding); unify == stacked_unify: vector {stacked_equal}, masks "
+          f"{stacked_masks}, rescalers max rel {stacked_resc:.1e}")
     for k, v in ratios.items():
         print(f"RATIO merge/{device.type} {k} = {v:.3f}")
+    met = ratios["peft_ties_time/ties_time"] >= MERGE_GOAL
     problems = []
     if ties_rel > 1e-6:
         problems.append(f"ties on {device} differs from the CPU kernels by {ties_rel:.1e}")
     if not (unify_exact and masks_equal and resc_rel <= 1e-5):
         problems.append(f"unify on {device} differs from the CPU kernels")
+    if ta_rel > 1e-6:
+        problems.append(f"task arithmetic on {device} differs from the CPU's by {ta_rel:.1e}")
     if peft_off > 1e-5 * d:
         problems.append(f"ties differs from peft's in {peft_off} entries (max {peft_diff:.2e})")
+    if ta_off:
+        problems.append(f"task arithmetic differs from peft's in {ta_off} entries (max {ta_diff:.2e})")
+    if not torch_equal:
+        problems.append("batched ties differs from the streaming torch path on the device")
     if not (stacked_equal and stacked_masks and stacked_resc <= 1e-5):
         problems.append("unify differs from the stacked unify")
-    summary = (f"N={n} d={d:,}: peft/ties {ratios['peft_ties_time/ties_time']:.1f}x, stacked/unify "
-               f"{ratios['stacked_unify_time/unify_time']:.1f}x; vs the CPU kernels: ties rel {ties_rel:.0e}, unify "
+    summary = (f"N={n} d={d:,}: peft/ties {ratios['peft_ties_time/ties_time']:.1f}x"
+               + (f" (goal >= {MERGE_GOAL:g} {'met' if met else 'NOT met'})" if ctx.cuda else "")
+               + f", streaming/batched ties {ratios['ties_torch_time/ties_time']:.1f}x, peft/task arithmetic "
+               f"{ratios['peft_task_arithmetic_time/task_arithmetic_time']:.1f}x, stacked/unify "
+               f"{ratios['stacked_unify_time/unify_time']:.1f}x; vs the CPU kernels: ties "
+               f"{'bit for bit' if ties_exact else f'rel {ties_rel:.0e}'}, unify "
                f"{'bit for bit' if unify_exact and masks_equal else 'DIFFERS'}; vs peft: {peft_off} entries off")
     return result("FAIL" if problems else "pass", summary + (f"; {'; '.join(problems)}" if problems else ""),
-                  seconds=times, peak_extra_bytes=mems, ratios=ratios, ties_rel_vs_cpu=ties_rel, ties_exact=ties_exact,
-                  unify_exact=unify_exact, masks_equal=masks_equal, rescaler_rel=resc_rel, peft_max_abs_diff=peft_diff,
-                  peft_entries_off=peft_off)
+                  seconds=times, peak_extra_bytes=mems, ratios=ratios, goal_met=met if ctx.cuda else None,
+                  ties_rel_vs_cpu=ties_rel, ties_exact=ties_exact, unify_exact=unify_exact, masks_equal=masks_equal,
+                  rescaler_rel=resc_rel, task_arithmetic_rel_vs_cpu=ta_rel, peft_max_abs_diff=peft_diff,
+                  peft_entries_off=peft_off, ties_equals_torch_path=torch_equal,
+                  peft_task_arithmetic_max_abs_diff=ta_diff)
 
 
 # -- f. QLoRA --------------------------------------------------------------------------------------

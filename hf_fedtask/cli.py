@@ -237,13 +237,59 @@ def _export(args) -> int:
     return 0
 
 
+_TASK_FLAGS = ("--task", "--split", "--max-length", "--max-test-samples")  # hf_fedtask's own scoring of a task
+_LM_EVAL_FLAGS = ("--lm-eval-include", "--limit", "--num-fewshot", "--apply-chat-template")  # lm-eval's options
+
+
 def _evaluate(args) -> int:
+    lm_eval = args.lm_eval is not None
+    for flag in _TASK_FLAGS if lm_eval else _LM_EVAL_FLAGS:
+        if _given(args, flag):
+            raise ConfigError(f"evaluate: {flag} does not apply " + (
+                "with --lm-eval (lm-evaluation-harness scores its own tasks)" if lm_eval
+                else "without --lm-eval (it is an lm-evaluation-harness option)"))
+    if lm_eval:
+        return _evaluate_lm_eval(args)
     from hf_fedtask.export.standalone import evaluate_adapter
 
-    print(json.dumps(evaluate_adapter(args.adapter_dir, args.task, split=args.split, max_length=args.max_length,
-                                      max_test_samples=args.max_test_samples, base_model=args.base_model,
-                                      batch_size=args.batch_size)))
+    print(json.dumps(evaluate_adapter(args.adapter_dir, args.task, split=args.split or "test",
+                                      max_length=args.max_length, max_test_samples=args.max_test_samples,
+                                      base_model=args.base_model,
+                                      batch_size=128 if args.batch_size is None else args.batch_size)))
     return 0
+
+
+def _evaluate_lm_eval(args) -> int:
+    from pathlib import Path
+
+    from hf_fedtask.export.adapter import LM_EVAL_FILE
+    from hf_fedtask.workflows.lm_harness import run_lm_eval
+
+    results = run_lm_eval(args.adapter_dir, args.lm_eval.split(","), include=args.lm_eval_include or (),
+                          limit=args.limit, num_fewshot=args.num_fewshot,
+                          batch_size=8 if args.batch_size is None else args.batch_size,
+                          apply_chat_template=args.apply_chat_template, base_model=args.base_model)
+    from lm_eval.utils import make_table
+
+    folder = Path(args.adapter_dir)
+    print("\n".join([make_table(results), *([make_table(results, "groups")] if results.get("groups") else [])]))
+    print(f"lm-eval results: {folder / LM_EVAL_FILE}")
+    if (folder / "README.md").is_file():
+        print(f"model card: {folder / 'README.md'} (section lm-evaluation-harness)")
+    return 0
+
+
+def _limit(value: str) -> int | float:
+    """`--limit`: lm-eval's, examples a task: a count >= 1, or a fraction of each task in (0, 1)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if number >= 1 and number == int(number):
+        return int(number)
+    if not 0 < number < 1:
+        raise argparse.ArgumentTypeError(f"expected a count of examples >= 1 or a fraction in (0, 1), got {value!r}")
+    return number
 
 
 def _count_or_all(value: str) -> int:
@@ -331,7 +377,12 @@ classifier/config.json) or the run folder it sits in: the task it was trained on
 the seeded test subset its card's metric was computed on (max_test_samples), the base model. A line on
 stderr says which examples are scored; a progress bar shows on passes longer than a few seconds. A task
 whose labels (count or names) or inputs (text, image) are not the adapter's, or a base model other than
-the one it was trained on, is refused in one line naming both, exit 2."""
+the one it was trained on, is refused in one line naming both, exit 2.
+
+--lm-eval TASKS scores a causal LM's adapter with lm-evaluation-harness instead (pip install
+"hf-fedtask[lm-eval]"): HFLM(pretrained=<its base, found as above>, peft=ADAPTER_DIR) on lm-eval's tasks
+or those of --lm-eval-include; lm-eval's output goes to ADAPTER_DIR/lm_eval.json and a table of the
+scores into the adapter's README.md card (both replaced by the next --lm-eval call)."""
 
 
 UNLEARN_HELP = """Remove a task or a client from a finished run; the run itself is left as it is.
@@ -416,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("adapter_dir", help="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--task", default=None, help="builtin task name, local dataset path or Hub id (default: the "
                    "task the adapter was trained on, as its hf_fedtask.json or its run records it)")
-    p.add_argument("--split", default="test", help="the task's split to score (default: test)")
+    p.add_argument("--split", default=None, help="the task's split to score (default: test)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per text input (default: the run's max_length, as the adapter records it; else 32)")
     p.add_argument("--max-test-samples", type=_count_or_all, default=None, metavar="N|all",
@@ -425,7 +476,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None, help="load this base model (local folder or Hub id) instead of the "
                    "recorded one; it must be the model the adapter was trained on (default: adapter_config.json's "
                    "base_model_name_or_path, or the run's local folder when the adapter sits in its run)")
-    p.add_argument("--batch-size", type=int, default=128, help="examples per forward pass (default: 128)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="examples per forward pass (default: 128; with --lm-eval, lm-eval's requests a pass, "
+                        "default 8: their logits over the vocabulary grow with the prompt's length)")
+    lm = p.add_argument_group("lm-evaluation-harness (pip install \"hf-fedtask[lm-eval]\"; causal-LM adapters)")
+    lm.add_argument("--lm-eval", default=None, metavar="TASKS",
+                    help="score the adapter with lm-evaluation-harness on these tasks, groups or tags "
+                         "(comma-separated, globs allowed, e.g. arc_easy,mmlu) instead of --task: "
+                         "HFLM(pretrained=<base>, peft=ADAPTER_DIR); writes ADAPTER_DIR/lm_eval.json and a table "
+                         "into its README.md")
+    lm.add_argument("--lm-eval-include", action="append", default=None, metavar="PATH",
+                    help="a folder of lm-eval task definitions (YAML) of your own, searched as lm-eval's "
+                         "--include_path searches it (repeatable)")
+    lm.add_argument("--limit", type=_limit, default=None, metavar="N",
+                    help="lm-eval: score only the first N examples of each task (a fraction in (0, 1): that share)")
+    lm.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                    help="lm-eval: K examples in each prompt (default: each task's own setting)")
+    lm.add_argument("--apply-chat-template", action="store_true",
+                    help="lm-eval: send each prompt through the tokenizer's chat template, as hf_fedtask trains "
+                         "causal LMs (default: plain text, as lm-eval's leaderboards score)")
     p.set_defaults(func=_evaluate)
 
     p = sub.add_parser("push", help="push an adapter folder to the Hugging Face Hub")

@@ -67,7 +67,8 @@ class RunConfig:
                                        "local folder")
     peft_method: str = option("lora", "the PEFT modules trained and exchanged (full: the whole backbone; probe: "
                               "the head alone)", choices=PEFT_METHODS)
-    lora_r: int = option(8, "LoRA rank (bottleneck: the adapter's width)", minimum=1)
+    lora_r: int = option(8, "LoRA rank (with the strategy option lora_ranks: the server's global rank, each client "
+                         "training at its own; bottleneck: the adapter's width)", minimum=1)
     lora_alpha: int = option(16, "LoRA alpha (the update is scaled by alpha / r)", minimum=1)
     lora_dropout: float = option(0.0, "dropout on the LoRA path", minimum=0.0, maximum=1.0)
     target_modules: list[str] | None = option(None, "module names the PEFT layers wrap (default: PEFT's for the "
@@ -106,6 +107,11 @@ class RunConfig:
                                            "default: all)", minimum=1)
     max_test_samples: int | None = option(None, "evaluate on a seeded subset of each task's test split (default: all)",
                                           minimum=1)
+    comm_budget_mb: float | None = option(None, "communication budget in MB of 2^20 bytes, both directions over "
+                                          "every round, as FlowerTune LLM counts its 200,000 MB: a run whose rounds "
+                                          "would need more is refused before training, and a round that would pass "
+                                          "it is not started (default: no budget)", minimum=0.0,
+                                          exclusive_minimum=True)
     exclude_clients: list[int] = option([], "clients that never take part (a retraining reference); at least one "
                                         "client must remain", minimum=0)
     # client-level differential privacy (hf_fedtask.privacy; McMahan et al. 2018): each client's whole upload
@@ -155,6 +161,10 @@ class RunConfig:
     client_loop: str = option("auto", "the local training loop: trainer (a transformers Trainer per client and task) "
                               "| lean (the same optimizer steps, bit for bit, without the Trainer's per-call setup; "
                               "refuses fp16) | auto (lean where it applies)", choices=CLIENT_LOOPS)
+    batch_clients: str = option("auto", "in-process FedAvg rounds: auto (train a round's clients of one task and "
+                                "data size together, K copies of the model in one vectorized step, where the step "
+                                "has no randomness (no dropout), inputs are fixed-shape and no convolution trains: "
+                                "equal to one at a time up to float rounding) | off", choices=("auto", "off"))
     # bookkeeping
     eval_batch_size: int = option(128, "evaluation batch size", minimum=1)
     # evaluating every test split is a large share of a round on a CPU (docs/results/matu.md: the main job);
@@ -180,7 +190,8 @@ class RunConfig:
     # fields that may change between a run and its resumption without making it a different run
     RESUMABLE_CHANGES: typing.ClassVar[tuple[str, ...]] = (
         "output_dir", "rounds", "report_to", "export", "eval_batch_size", "eval_every", "save_payloads", "device",
-        "generation_eval", "bad_uploads", "client_loop")
+        "generation_eval", "bad_uploads", "client_loop",
+        "comm_budget_mb")
 
     def __post_init__(self):
         check_fields(self)  # types, choices and ranges of every field

@@ -33,8 +33,10 @@ SCRIPTS = {
     "matu_findings.py": ([rf"^- pairwise sign agreement: {NUMBER}%"], True),
     "matu_start.py": ([rf"^RATIO per_task/unified score \(5 steps, η=0.2\) = {NUMBER}$",
                        rf"^RATIO per_task/unified bytes per round = {NUMBER}$"], False),
-    "simulation_speed.py": ([rf"^RATIO mlp-\d+c trainer/plain seconds per round = {NUMBER} ",
-                            rf"^RATIO mlp-\d+c lean/plain seconds per round = {NUMBER} "], False),
+    "simulation_speed.py": ([rf"^RATIO mlp-\d+c {path}/plain seconds per round = {NUMBER} "
+                             for path in ("trainer", "lean", "batched")], False),
+    "hetero_lora.py": ([rf"^RATIO ranks_4_8_16/uniform_r8 mean accuracy = {NUMBER}"], True),
+    "main_job_loops.py": ([rf"^RATIO main job lean/trainer seconds per round = {NUMBER} "], True),
     "client_overhead.py": ([rf"^RATIO ours/bare wall time \(median over pairs\) = {NUMBER} "], True),
     "linearize_bench.py": ([rf"^RATIO linearized/normal \(sdpa\) step time +: {NUMBER} ",
                             rf"^RATIO linearized/normal-eager step time +: {NUMBER} "], True),

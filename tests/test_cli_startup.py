@@ -94,7 +94,7 @@ def test_help_and_config_checks_import_no_heavy_module():
     assert report["rho"] == 0.3 and report["mu"] == 0.1
     assert report["errors"] == [
         "strategy 'fedavg' does not support option 'rho' (an option of matu); its options: server_lr, forget_tasks, "
-        "forget_clients, track_task_vectors, lora_aggregation",
+        "forget_clients, track_task_vectors, lora_aggregation, lora_ranks",
         "unknown strategy 'nope'; choose one of f2l2, fedavg, fedper, fedprox, fedyolo, matfl, matu, ntkfedavg, "
         "ntkfedprox, scaffold, tct",
         "config: strategy options: rho: must be in [0, 1], got 2.0",

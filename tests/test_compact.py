@@ -199,3 +199,62 @@ def test_storage_is_smaller_than_separate_adapters(tmp_path, peft_layout, num_ta
     for t, size in report["per_task_bytes"].items():  # exact: what the per-task folders hold
         assert size == sum(p.stat().st_size for p in (folder / t).iterdir())
     assert report["separate_bytes"] == sum(report["per_task_bytes"].values())
+
+
+def test_init_regenerates_from_its_seed_and_a_16_bit_vector_reloads_as_stored(tmp_path, peft_layout, tiny_bert_dir):
+    """init_seed: θ_p is left out and rebuilt on reload from the seed (bit for bit: its SHA-256 is checked); a
+    float16 τ reloads exactly as stored, θ_p + λ_t·(m_t ⊙ τ) with τ widened to float32; a seed that does not
+    rebuild θ_p keeps it stored, saying why; a record that no longer matches is refused naming tasks.json."""
+    parts = make_parts(peft_layout, 3)
+    parts.update(base_model_id=tiny_bert_dir, unified=parts["unified"].apply(lambda v: v.half()))
+    folder = save_compact(tmp_path / "out", init_seed=0, task_folders=True, **parts)
+    assert not (folder / "init.safetensors").exists()
+    record = json.loads((folder / "tasks.json").read_text())["init"]
+    assert record == {"seed": 0, "shared_head": 0, "dtype": "float32", "sha256": compact.init_digest(parts["init"])}
+    assert storage_report(folder)["init"] == "regenerated from seed 0"
+    for t in parts["masks"]:
+        state = task_state(folder, t)
+        for k, v in parts["init"].items():
+            expected = v + parts["unified"][k].float() * parts["masks"][t][k] * parts["rescalers"][t]
+            assert state[k].dtype == torch.float32 and torch.equal(state[k], expected), (t, k)
+        with safetensors.safe_open(folder / t / "adapter_model.safetensors", "pt") as f:  # the stock folder too
+            assert all(torch.equal(f.get_tensor(k), state[k]) for k in state)
+    model = load_task_adapter(folder, "task1", base_model=tiny_bert_dir)
+    saved = get_peft_model_state_dict(model)
+    assert all(torch.equal(saved[k], v) for k, v in task_state(folder, "task1").items())
+
+    stored = save_compact(tmp_path / "seed1", init_seed=1, **parts)  # seed 1 builds another A: θ_p is stored
+    assert (stored / "init.safetensors").exists()
+    assert "does not regenerate" in storage_report(stored)["init_stored_because"]
+    assert all(torch.equal(task_state(stored, "task0")[k], task_state(folder, "task0")[k]) for k in parts["init"])
+
+    info = json.loads((folder / "tasks.json").read_text())
+    info["init"]["seed"] = 1
+    (folder / "tasks.json").write_text(json.dumps(info))
+    with pytest.raises(TaskVectorError, match=r"tasks.json: θ_p regenerated from seed 1 .* SHA-256"):
+        task_state(folder, "task0")
+
+
+def test_eight_minilm_tasks_take_under_0_15_of_separate_adapters(tmp_path):
+    """At the main job's sizes (MiniLM, LoRA r=8 on query/value, 6-label heads), 8 tasks with θ_p regenerated and
+    a float16 τ: at most 0.15 of 8 stock adapters ((2 + T/8) / 4T bytes an entry, 0.094, plus the heads)."""
+    from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL
+    from hf_fedtask.model.host import PeftHost
+    from hf_fedtask.model.peft_methods import make_peft_config
+
+    host = PeftHost(resolve_base_model(DEFAULT_BASE_MODEL), make_peft_config("lora", r=8), seed=0)
+    init = host.initial_shared()
+    g = torch.Generator().manual_seed(0)
+    tasks = [f"task{i}" for i in range(8)]
+    unified = init.apply(lambda v: (torch.randn(v.shape, generator=g) * 1e-2).half())
+    masks = {t: init.apply(lambda v: torch.rand(v.shape, generator=g) < 0.7) for t in tasks}
+    folder = save_compact(
+        tmp_path / "out", peft_config=host.peft_config, base_model_id=DEFAULT_BASE_MODEL, init=init, unified=unified,
+        masks=masks, rescalers={t: 1.0 + i / 8 for i, t in enumerate(tasks)},
+        heads={t: host.initial_head(6, seed=i) for i, t in enumerate(tasks)}, init_seed=0)
+    report = storage_report(folder)
+    assert report["tasks"] == 8 and report["init"] == "regenerated from seed 0" and "init.safetensors" not in report[
+        "files"]
+    assert report["ratio"] <= 0.15, report
+    state = task_state(folder, "task3")  # θ_p rebuilt from MiniLM and seed 0
+    assert all(torch.equal(state[k], v + unified[k].float() * masks["task3"][k] * 1.375) for k, v in init.items())

@@ -35,7 +35,7 @@ CASES = {
 
 
 def _run(tiny_bert_dir, tiny_tasks_dir, out: Path, loop: str, overrides: dict):
-    run(make_config(tiny_bert_dir, tiny_tasks_dir, out, client_loop=loop, rounds=2, **overrides))
+    run(make_config(tiny_bert_dir, tiny_tasks_dir, out, client_loop=loop, batch_clients="off", rounds=2, **overrides))
     losses = [r["train_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     return load_file(out / "checkpoint.safetensors"), losses
 

@@ -69,6 +69,8 @@ def ref_server(uploads, stored, rho, kappa, eps, combine, vectors="cumulative", 
             step = hat[t] + cross
         elif combine == "mean":
             step = 0.5 * (hat[t] + cross)
+        elif combine == "s_normalized_cross":
+            step = hat[t] + cross / (1 + sum(sims[t2] for t2 in cands))
         else:
             step = (hat[t] + cross) / (1 + sum(sims[t2] for t2 in cands))
         new[t] = stored[t] + step if vectors == "delta" else step
@@ -114,7 +116,7 @@ def test_client_unification_matches_the_reference():
 
 @pytest.mark.parametrize("neighbours", ["round", "all"])
 @pytest.mark.parametrize("vectors", ["cumulative", "delta"])
-@pytest.mark.parametrize("combine", ["sum", "mean", "s_normalized"])
+@pytest.mark.parametrize("combine", ["sum", "mean", "s_normalized", "s_normalized_cross"])
 def test_server_aggregation_matches_the_reference(combine, vectors, neighbours):
     """Three participating clients over tasks t0-t2 (t3 has none: carried forward, and close to them)."""
     allocation = {0: ["t0", "t1"], 1: ["t1", "t2"], 2: ["t0"], 3: ["t3"]}
@@ -155,10 +157,10 @@ def test_server_aggregation_matches_the_reference(combine, vectors, neighbours):
         torch.testing.assert_close(params.filter(lambda k: k in SHARED_KEYS).flatten(), origin + expected[t],
                                    rtol=1e-5, atol=1e-6)
         assert all(torch.equal(params[k], head[k]) for k in head)
-        # the compact form decodes the unification of all four task vectors
+        # the compact form decodes the unification of all four task vectors, τ stored in float16 (export_dtype)
         compact = strategy.compact_task_parameters(new, t)
         torch.testing.assert_close(compact.filter(lambda k: k in SHARED_KEYS).flatten(),
-                                   origin + lams[i] * masks[i] * tau, rtol=1e-5, atol=1e-6)
+                                   origin + lams[i] * masks[i] * tau.half().float(), rtol=1e-5, atol=1e-6)
         assert all(torch.equal(compact[k], head[k]) for k in head)
 
 

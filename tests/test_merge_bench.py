@@ -16,7 +16,9 @@ RATIOS = {"ties_time/floor_time", "unify_time/floor_time", "peft_ties_time/ties_
           "stacked_unify_time/unify_time", "unify_mem/stacked_unify_mem", "mean_time/floor_time",
           "mean_stream_time/floor_time", "agreement_time/floor_time", "mean_torch_time/mean_time",
           "mean_torch_time/mean_stream_time", "agreement_torch_time/agreement_time",
-          "output_mem/peft_ties_mem", "ties_work_mem/peft_ties_work_mem"}
+          "output_mem/peft_ties_mem", "ties_work_mem/peft_ties_work_mem", "peft_ties_time/ties_batched_time",
+          "ties_batched_time/ties_time", "stacked_unify_time/unify_batched_time",
+          "peft_task_arithmetic_time/task_arithmetic_batched_time"}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def test_merge_bench_returns_finite_positive_ratios(bench, capsys):
     out = capsys.readouterr().out
     assert "max |ties - peft_ties|" in out and "unify == stacked_unify" in out
     assert "mean, mean_stream == mean_torch" in out
+    assert "ties_batched == ties, task_arithmetic_batched == task_arithmetic (bit for bit)" in out
     for name in RATIOS:  # every ratio is printed under its unambiguous name
         assert f"RATIO {name} " in " ".join(out.split()), name
     assert "peft/unify" not in out and "peft_ties_time/unify_time" not in out  # no unlike-with-like row
@@ -64,6 +67,34 @@ def test_stacked_unify_is_unify(bench):
     ours, reference = unify(opposite), bench.stacked_unify(opposite)
     bench.check_unify_matches_stacked(ours, reference, 2)
     assert not reference[0].any() and not reference[1].any() and reference[2].tolist() == ours.rescalers == [0.0, 0.0]
+
+
+def test_check_batched_refuses_a_batched_result_that_differs(bench):
+    """The bench's equality gate before its batched ratios: equal outputs pass, one changed entry of
+    ties, task arithmetic or a mask, or a rescaler off by 1e-5, voids the comparison."""
+    from hf_fedtask.merge import task_arithmetic, ties, unify
+
+    vectors, weights = bench.make_inputs(3, 3000, seed=1), [0.5, 1.0, 1.5]
+    keys = list(vectors[0])
+    outputs = {"ties": ties(vectors, weights, 0.2), "ties_batched": ties(vectors, weights, 0.2, backend="batched"),
+               "task_arithmetic": task_arithmetic(vectors, weights, backend="torch"),
+               "task_arithmetic_batched": task_arithmetic(vectors, weights, backend="batched"),
+               "unify": unify(vectors), "unify_batched": unify(vectors, backend="batched")}
+    assert bench.check_batched(outputs, keys) <= 1e-6
+    for name in ("ties_batched", "task_arithmetic_batched"):
+        broken = dict(outputs)
+        broken[name] = outputs[name].apply(lambda t: t.clone())
+        broken[name][keys[0]][0] += 1
+        with pytest.raises(SystemExit, match=f"{name} and"):
+            bench.check_batched(broken, keys)
+    u = outputs["unify_batched"]
+    flipped = [m.clone() for m in u.masks]
+    flipped[1][0] ^= 1
+    with pytest.raises(SystemExit, match="disagree"):
+        bench.check_batched({**outputs, "unify_batched": type(u)(u.vector, flipped, u.rescalers)}, keys)
+    off = type(u)(u.vector, u.masks, [r * (1 + 1e-5) for r in u.rescalers])
+    with pytest.raises(SystemExit, match="rescalers"):
+        bench.check_batched({**outputs, "unify_batched": off}, keys)
 
 
 def test_measure_times_the_paired_floor_right_before_each_call(bench):

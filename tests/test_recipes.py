@@ -295,8 +295,10 @@ def test_llm_recipe_table_normalizes_by_individual_and_reports_lora_errors(tiny_
              "--max-train-samples", "48", "--max-test-samples", "8", "--output-dir", str(out)]
     assert load_recipe("llm_manytask").main(flags) == 0
     rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())}
-    assert list(rows) == ["fedavg", "fedavg_product", "matu", "fedyolo", "individual"]
+    assert list(rows) == ["fedavg", "fedavg_product", "matu", "fedyolo", "individual", "majority label"]
+    majority = rows.pop("majority label")  # always the most frequent test label: results.json's chance
     results = {m: json.loads((out / m / "results.json").read_text()) for m in rows}
+    assert majority["tasks"] == {t: r["chance"] for t, r in results["fedavg"]["tasks"].items()}
     individual = {t: r["accuracy"] for t, r in results["individual"]["tasks"].items()}
     for method, row in rows.items():
         acc = {t: r["accuracy"] for t, r in results[method]["tasks"].items()}
@@ -309,6 +311,57 @@ def test_llm_recipe_table_normalizes_by_individual_and_reports_lora_errors(tiny_
     assert "compact_ratio" in rows["matu"] and (out / "comparison.png").exists()
     md = (out / "comparison.md").read_text()
     assert "fedavg: LoRA factor error per round" in md and "exact match" in md
+
+
+def test_llm_recipe_over_seeds_states_which_differences_are_within_noise(tiny_tasks_dir, tmp_path, capsys):
+    """--seeds and --test-examples: one run per method and seed, mean ± std over seeds, each test example scored
+    again from the final state (matching results.json), and the paired bootstrap's verdicts in the table."""
+    out = tmp_path / "llm_seeds"
+    flags = ["--base-model", "hf-fedtask/tiny-llama", "--suite", "", "--tasks", *tiny_tasks_dir,
+             "--num-clients", "2", "--participation", "1.0", "--rounds", "1", "--local-steps", "1",
+             "--max-length", "128", "--min-samples", "4", "--max-train-samples", "24", "--test-examples", "6",
+             "--no-generation-eval", "--methods", "fedavg", "matu", "individual", "--seeds", "0", "1",
+             "--output-dir", str(out)]
+    assert load_recipe("llm_manytask").main(flags) == 0
+    rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())}
+    assert list(rows) == ["fedavg", "matu", "individual", "majority label"]
+    for method in ("fedavg", "matu", "individual"):
+        runs = [json.loads((out / f"seed{k}" / method / "results.json").read_text()) for k in (0, 1)]
+        assert [r["config"]["seed"] for r in runs] == [0, 1] and runs[0]["config"]["max_test_samples"] == 6
+        means = [r["mean_metric"] for r in runs]
+        assert rows[method]["mean"] == pytest.approx(sum(means) / 2)
+        assert rows[method]["mean_std"] == pytest.approx(abs(means[0] - means[1]) / 2)
+        for k, r in zip((0, 1), runs):
+            outcomes = json.loads((out / f"seed{k}" / method / "test_outcomes.json").read_text())
+            for task, o in outcomes.items():
+                assert len(o["correct"]) == 6 and sum(o["correct"]) / 6 == pytest.approx(r["tasks"][task]["accuracy"])
+    noise = {(c["a"], c["b"]): c for c in json.loads((out / "noise.json").read_text())}
+    assert set(noise) == {("fedavg", "majority label"), ("matu", "majority label"), ("individual", "majority label"),
+                          ("matu", "fedavg"), ("individual", "fedavg")}
+    for (a, b), c in noise.items():
+        assert c["difference"] == pytest.approx(rows[a]["mean"] - rows[b]["mean"])
+        assert c["within_noise"] == (c["low"] <= 0 <= c["high"])
+    assert noise[("matu", "fedavg")]["normalized_difference"] == pytest.approx(
+        rows["matu"]["normalized"] - rows["fedavg"]["normalized"])
+    md = (out / "comparison.md").read_text()
+    assert "| majority label |" in md and "- matu − fedavg: " in md and "seeds 0, 1 (mean ± std over seeds" in md
+
+
+def test_llm_recipe_bootstrap_is_paired_and_sized_by_the_examples():
+    """The noise statement's interval: zero width for two methods right on the same examples (paired draws),
+    a certain difference where one is always right, and about ±1.96·sqrt(2·p(1−p)/n) for independent coins."""
+    import numpy as np
+
+    recipe = load_recipe("llm_manytask")
+    rng = np.random.default_rng(1)
+    coins = [{"t": rng.integers(0, 2, 400).astype(float)}]
+    same = recipe.noise_comparisons({"a": coins, "b": coins, "majority label": coins}, ["a", "b"])
+    assert all(c["low"] == c["high"] == c["difference"] == 0 and c["within_noise"] for c in same)
+    sure = recipe.noise_comparisons({"a": [{"t": np.ones(50)}], "majority label": [{"t": np.zeros(50)}]}, ["a"])
+    assert sure[0]["low"] == sure[0]["high"] == 1 and not sure[0]["within_noise"]
+    other = [{"t": rng.integers(0, 2, 400).astype(float)}]
+    (c,) = [c for c in recipe.noise_comparisons({"a": coins, "majority label": other}, ["a"])]
+    assert (c["high"] - c["low"]) / 2 == pytest.approx(1.96 * np.sqrt(2 * 0.25 / 400), rel=0.2)
 
 
 def test_label_skew_recipe_tabulates_curves_and_epochs_over_seeds(tiny_bert_dir, tiny_tasks_dir, tmp_path, capsys):

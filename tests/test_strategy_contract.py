@@ -269,8 +269,14 @@ def test_checkpoint_round_trips_mid_run(runs, hand_round, tmp_path):
 
 # -- 5. options ------------------------------------------------------------------------------------
 
+COMPANIONS = {"lora_ranks": {"lora_aggregation": "product"}, "downlink_feedback": {"downlink": "per_task_int8"}}
+"""Options valid only beside another option's non-default value (mixed LoRA ranks need the product step; error
+feedback needs a quantized downlink)."""
+
+
 def _valid_value(config_class, name: str):
-    """A value of option `name` that `config_class` accepts and that differs from its default."""
+    """A value of option `name` that `config_class` accepts (beside its COMPANIONS) and that differs from its
+    default."""
     f = next(f for f in dataclasses.fields(config_class) if f.name == name)
     kind, is_list, _ = field_type(config_class, name)
     default = getattr(config_class(), name)
@@ -288,7 +294,7 @@ def _valid_value(config_class, name: str):
         candidates = ["x"]
     for value in candidates:
         try:
-            config_class(**{name: value})
+            config_class(**{name: value, **COMPANIONS.get(name, {})})
         except ConfigError:
             continue
         return value
@@ -314,14 +320,15 @@ def test_options_of_other_strategies_are_refused_and_own_options_accepted(name, 
     assert foreign, f"{name} has every option of every strategy: nothing is probed"
     for owner, opt in foreign:
         value = _valid_value(STRATEGIES[owner].config_class, opt)
-        assert getattr(build_strategy_config(owner, {opt: value}), opt) == value  # valid where it belongs
+        assert getattr(build_strategy_config(owner, {opt: value, **COMPANIONS.get(opt, {})}), opt) == value
         with pytest.raises(ConfigError, match=re.escape(repr(opt))):
             RunConfig(strategy=name, strategy_options={opt: value}, suite=None, tasks=list(tiny_tasks_dir))
         with pytest.raises(ConfigError, match=re.escape(repr(opt))):
             RunConfig.from_dict({"strategy": name, "suite": None, "tasks": list(tiny_tasks_dir), opt: value})
     for f in dataclasses.fields(STRATEGIES[name].config_class):
         value = _valid_value(STRATEGIES[name].config_class, f.name)
-        config = RunConfig(strategy=name, strategy_options={f.name: value}, suite=None, tasks=list(tiny_tasks_dir))
+        config = RunConfig(strategy=name, strategy_options={f.name: value, **COMPANIONS.get(f.name, {})},
+                           suite=None, tasks=list(tiny_tasks_dir))
         assert getattr(config.strategy_config, f.name) == value
 
 

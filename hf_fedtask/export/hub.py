@@ -3,15 +3,17 @@ was trained (task, federation, metrics) and how to load it."""
 
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
 import httpx2
+import jinja2
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from peft.utils import CONFIG_NAME
 
+from hf_fedtask.core.files import write_atomic
 from hf_fedtask.errors import HubError
 from hf_fedtask.export.adapter import check_portable_base_model_id, read_adapter_folder
 from hf_fedtask.privacy.report import card_rows
@@ -201,6 +203,63 @@ def render_model_card(info: Mapping) -> ModelCard:
     context = _card_context(info)
     template = resources.files("hf_fedtask.model_cards").joinpath(CARD_TEMPLATE).read_text(encoding="utf-8")
     return ModelCard.from_template(context.pop("card_data"), template_str=template, **context)
+
+
+# a section added to an existing card (`put_card_section`): its heading, a paragraph, and a table made like the
+# template's own tables (header row, `|---|` rule, cells through `_fmt`)
+_SECTION_TEMPLATE = """{{ heading }}
+
+{{ intro }}
+
+|{% for name in columns %} {{ name }} |{% endfor %}
+|{% for name in columns %}---|{% endfor %}
+{%- for row in rows %}
+|{% for cell in row %} {{ cell }} |{% endfor %}
+{%- endfor %}
+"""
+
+
+def _sections(lines: list[str]) -> list[int]:
+    """Indices of the lines that open a `## ` section, fenced code blocks skipped (a prompt may hold `##`)."""
+    starts, fenced = [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## "):
+            starts.append(i)
+    return starts
+
+
+def put_card_section(card_file: str | os.PathLike, heading: str, intro: str, columns: list[str],
+                     rows: list[list], *, eval_results: Sequence[EvalResult] = (), source: str | None = None) -> None:
+    """Put a section of scores into an existing model card (README.md), in place: `heading` (`## ...`), `intro`
+    and a table of `columns` and `rows`, rendered like the card's own tables. A section of the same heading is
+    replaced; a new one goes after the card's Evaluation section (else before How to load, else at the end).
+    `eval_results` replace the model-index entries whose `source_name` is `source`, so the Hub shows them.
+    The card is read and written back by huggingface_hub's `ModelCard` (a card of ours reads back unchanged)."""
+    path = Path(card_file)
+    card = ModelCard.load(path)
+    section = jinja2.Template(_SECTION_TEMPLATE).render(
+        heading=heading, intro=intro, columns=columns, rows=[[_fmt(cell) for cell in row] for row in rows])
+    lines = card.text.split("\n")
+    starts = _sections(lines)
+    titles = {lines[i].strip(): i for i in starts}
+    ends = dict(zip(starts, [*starts[1:], len(lines)]))
+    if heading in titles:
+        begin, end = titles[heading], ends[titles[heading]]
+    else:
+        after = titles.get("## Evaluation")
+        begin = end = ends[after] if after is not None else titles.get("## How to load", len(lines))
+    new = section.rstrip("\n").split("\n") + [""]  # a blank line before the next section, or the final newline
+    head = lines[:begin]
+    if head and head[-1].strip():
+        head.append("")
+    card.text = "\n".join(head + new + lines[end:])
+    if eval_results:
+        kept = [r for r in card.data.eval_results or () if r.source_name != source]
+        card.data.eval_results = kept + list(eval_results)
+        card.data.model_name = card.data.model_name or "hf-fedtask-adapter"
+    write_atomic(path, str(card))
 
 
 def check_adapter_folder(folder: str | os.PathLike) -> Path:

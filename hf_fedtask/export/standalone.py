@@ -201,7 +201,6 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
     the recorded base (the run's local folder when the adapter sits in its run folder). Refused in one
     ConfigError line: a task with other labels or inputs, another base model. A line on stderr says what
     is scored, and a progress bar over the examples shows on passes that take more than a few seconds."""
-    import numpy as np
 
     from hf_fedtask.client.evaluation import labels_of, predict_batches
     from hf_fedtask.data import BUILTIN_TASKS, load_task

@@ -9,7 +9,8 @@ numba (no C of our own), read the task tensors in place through their data point
 `Plan`: no gather copy), and perform the same float operations in the same order as the torch path,
 so their results are the torch path's bit for bit (`fused_passes` says where they may differ). The
 torch paths stay as the reference (tests compare both on random inputs of odd sizes) and are used for
-dtypes other than float32 and for tensors on an accelerator.
+dtypes other than float32; tensors on an accelerator take the batched torch ops of `batched` (TIES, unify,
+task arithmetic) or the torch paths (the rest).
 
 Numba's on-disk cache (``cache=True``) watches only the file a kernel is defined in: after changing
 `void_ptr` here, clear the cache (``__pycache__/*.nbi``, ``*.nbc``) so the kernels that inline it
@@ -52,6 +53,7 @@ def supported(layout: Layout) -> bool:
 
 
 BACKENDS = ("auto", "numba", "torch")
+BATCHED_BACKENDS = (*BACKENDS, "batched")  # TIES and unify also have `batched` (one stack of all tasks)
 
 
 def use_kernels(backend: str, layout: Layout) -> bool:
@@ -65,6 +67,16 @@ def use_kernels(backend: str, layout: Layout) -> bool:
         dtype = next((d for d in layout.dtypes.values() if d != torch.float32), layout.dtype)
         raise ValueError(f"the numba backend takes float32 task vectors, got {dtype}")
     return backend == "numba" or (backend == "auto" and supported(layout))
+
+
+def choose(backend: str, layout: Layout) -> str:
+    """The path of a merge that has all three ("numba", "batched" or "torch"): "auto" takes the kernels
+    where they apply, the batched torch ops (`batched`) on an accelerator, else the streaming torch path."""
+    if backend not in BATCHED_BACKENDS:
+        raise ValueError(f"backend must be one of {BATCHED_BACKENDS}, got {backend!r}")
+    if backend == "batched" or (backend == "auto" and layout.device.type != "cpu"):
+        return "batched"
+    return "numba" if use_kernels(backend, layout) else "torch"
 
 
 @contextmanager

@@ -12,7 +12,9 @@ back in the inputs' dtype, on their device.
 
 `product_step` is the server step (exact mean, re-factorized, with its truncation residual);
 `factor_step_error` measures how far factor averaging lands from it; `lora_pairs` finds the (A, B)
-pairs of a PEFT state.
+pairs of a PEFT state. `effective_rank`, `energy_rank` and `tail_energy` read a matrix's spectrum (the
+singular values `truncate` found): how many directions its energy spreads over, and what a truncation to any
+rank discards.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Refactorized:
     A: torch.Tensor
     discarded: float
     total: float
+    singular_values: torch.Tensor | None = None  # all of M's, descending, float64 on the CPU (empty for M = 0)
 
     @property
     def residual(self) -> float:
@@ -94,7 +97,7 @@ def truncate(C: torch.Tensor, D: torch.Tensor, rank: int, scaling: float = 1.0,
     A = torch.zeros(rank, D.shape[1], dtype=torch.float64, device=C.device)
     B[:, :k] = (Qc @ U[:, :k]) * root
     A[:k] = root[:, None] * (Vh[:k] @ Qd.T)
-    return Refactorized(B.to(dtype), A.to(dtype), float(power[k:].sum()), float(power.sum()))
+    return Refactorized(B.to(dtype), A.to(dtype), float(power[k:].sum()), float(power.sum()), S.detach().cpu())
 
 
 def step_terms(start: Factors | None, clients: Sequence[Factors], weights: Sequence[float],
@@ -134,9 +137,36 @@ def product_step(start: Factors | None, clients: Sequence[Factors], weights: Seq
     dtype = (start or clients[0])[0].dtype
     if not terms:  # every coefficient 0 (e.g. server_lr 0 from a zero start): M = 0
         B, A = start or clients[0]
-        return Refactorized(B.new_zeros(B.shape[0], rank), A.new_zeros(rank, A.shape[1]), 0.0, 0.0)
+        return Refactorized(B.new_zeros(B.shape[0], rank), A.new_zeros(rank, A.shape[1]), 0.0, 0.0,
+                            torch.zeros(0, dtype=torch.float64))
     C, D = stack(terms)
     return truncate(C, D, rank, scaling, dtype=dtype)
+
+
+def tail_energy(singular_values: torch.Tensor, rank: int) -> float:
+    """‖M − M_r‖_F² of the best rank-`rank` approximation M_r: the energy of the singular values past `rank`."""
+    return float(singular_values[rank:].to(torch.float64).square().sum())
+
+
+def energy_rank(singular_values: torch.Tensor, share: float = 0.99) -> int:
+    """The fewest leading singular values that hold `share` of ‖M‖_F² (Σσ²); 0 for M = 0."""
+    power = singular_values.to(torch.float64).square()
+    total = float(power.sum())
+    if total <= 0:
+        return 0
+    held = torch.cumsum(power, 0) >= share * total * (1 - 1e-12)  # the last one always holds it (rounding)
+    return int(torch.nonzero(held)[0]) + 1
+
+
+def effective_rank(singular_values: torch.Tensor) -> float:
+    """Roy & Vetterli's (2007) effective rank exp(H(p)), p_i = σ_i / Σσ: how many directions M's singular
+    values spread evenly over (1 for a rank-1 matrix, r for r equal ones); 0 for M = 0."""
+    S = singular_values.to(torch.float64)
+    total = float(S.sum())
+    if total <= 0:
+        return 0.0
+    p = S[S > 0] / total
+    return math.exp(float(-(p * p.log()).sum()))
 
 
 def factor_step_error(start: Factors | None, clients: Sequence[Factors], weights: Sequence[float],

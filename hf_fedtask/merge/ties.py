@@ -8,9 +8,9 @@ for scope="model"), then trims on the fly, elects signs and takes the disjoint m
 with the same floating-point operations in the same order as the stacked definition, so results are
 bit for bit those of trimming every vector first. Memory is O(d) plus O(N·chunk) scratch.
 
-Vectors whose tensors sit on an accelerator are merged there by the torch paths (the numba kernels
-and numpy's selection are CPU-only) and the results stay there; CPU vectors take the paths they
-always took."""
+Vectors whose tensors sit on an accelerator are merged there by the batched torch ops of `batched`
+(one stack of all tasks per chunk, a few ops over it: the numba kernels and numpy's selection are
+CPU-only) and the results stay there; CPU vectors take the paths they always took."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import fused_passes, kernels, threshold_select
+from hf_fedtask.merge import batched, fused_passes, kernels, threshold_select
 from hf_fedtask.merge.streaming import Layout, Piece, chunk_len, gather, scatter
 
 SIGN_METHODS = ("total", "frequency")
@@ -47,9 +47,15 @@ def check_compatible(vectors: Sequence[TaskVector], weights: Sequence[float]) ->
                                  f"{tuple(tensor.shape)} and {tuple(shapes[key])}")
 
 
-def task_arithmetic(vectors: Sequence[TaskVector], weights: Sequence[float]) -> TaskVector:
-    """Σ_t w_t·τ_t."""
+def task_arithmetic(vectors: Sequence[TaskVector], weights: Sequence[float], backend: str = "auto") -> TaskVector:
+    """Σ_t w_t·τ_t, summed in task order per key. `backend`: "torch" (one add per task and key),
+    "batched" (one multi-tensor add per task over all keys: `batched.task_arithmetic`) or "auto"
+    (batched on an accelerator, torch on the CPU); the same result bit for bit."""
     check_compatible(vectors, weights)
+    if backend not in ("auto", "torch", "batched"):
+        raise ValueError(f"backend must be one of ('auto', 'torch', 'batched'), got {backend!r}")
+    if backend == "batched" or (backend == "auto" and Layout(vectors).device.type != "cpu"):
+        return TaskVector(batched.task_arithmetic(vectors, weights))
     out = {}
     for key in vectors[0]:
         acc = torch.zeros_like(vectors[0][key])
@@ -94,10 +100,11 @@ def ties(
 
     `scope="tensor"` trims each parameter on its own (peft's `ties`); `scope="model"` keeps the top
     `density` of each task vector as a whole (the TIES paper). Entries tied at a task's threshold
-    value are kept in flat order until k are kept, as in `magnitude_prune`. Streams over the tensors
-    where they are. `backend`: "numba" (the fused kernels of `fused_passes`; float32 CPU only), "torch" (the
-    reference streaming path; on an accelerator, the one taken) or "auto" (numba where it applies).
-    Both give the same result bit for bit."""
+    value are kept in flat order until k are kept, as in `magnitude_prune`. Merges where the tensors
+    are. `backend`: "numba" (the fused kernels of `fused_passes`; float32 CPU only), "batched" (a few
+    torch ops over a stack of all tasks, `batched`: the one taken on an accelerator), "torch" (the
+    reference streaming path) or "auto" (numba where it applies, batched on an accelerator, else
+    torch). All give the same result bit for bit."""
     check_compatible(vectors, weights)
     _check_method(majority_sign_method)
     if scope not in SCOPES:
@@ -105,8 +112,12 @@ def ties(
     if density < 0:
         raise ValueError(f"density must be >= 0, got {density}")
     layout = Layout(vectors)
+    path = kernels.choose(backend, layout)
+    if path == "batched":
+        return TaskVector(layout.unflatten(batched.ties(layout, vectors, weights, density, majority_sign_method,
+                                                         scope)))
     flats = [layout.flat_views(tv) for tv in vectors]
-    if kernels.use_kernels(backend, layout):
+    if path == "numba":
         cuts = [_cuts(flat, density, scope, selected) for flat, selected in
                 zip(flats, _select_all(flats, density, scope))]
         lambd = np.array([[-math.inf if cut[k].lambd is None else cut[k].lambd for k in layout.numels]

@@ -13,8 +13,9 @@ approximately recovered as λ_t·(m_t ⊙ τ).
 `unify` streams (see `streaming`): per chunk of all T tasks, one pass sums the tasks in order (the
 sign), then x_t·σ gives both μ (its running max) and m_t (where it is > 0: the sign test of
 τ_t ⊙ τ without the product, so no underflow), and the rescalers' sums are taken per key. Vectors
-on an accelerator are unified there by the torch path (masks packed with torch instead of numpy) and
-τ and the masks stay there; CPU vectors take the paths they always took.
+on an accelerator are unified there by the batched torch ops of `batched` (one stack of all tasks per
+chunk; masks packed with torch instead of numpy) and τ and the masks stay there; CPU vectors take the
+paths they always took.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from hf_fedtask.core.names import RESCALERS
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.merge import fused_passes, kernels
+from hf_fedtask.merge import batched, fused_passes, kernels
 from hf_fedtask.merge.bitmask import pack_rows, packed_size, unpack_bits
 from hf_fedtask.merge.streaming import Layout, chunk_len, gather, scatter
 from hf_fedtask.merge.ties import check_compatible
@@ -58,19 +59,24 @@ class Unified:
 @torch.no_grad()
 def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: str = "auto") -> Unified:
     """Unify T task vectors into τ, T bit-packed masks and T rescalers. `backend`: "numba" (one fused
-    pass, `fused_passes`; float32 CPU tensors), "torch" (the reference; the path on an accelerator, where
-    τ and the masks are returned) or "auto" (numba where it applies): the same τ and masks bit for bit,
-    rescalers within a few float32 ulps (their sums are accumulated in another order)."""
+    pass, `fused_passes`; float32 CPU tensors), "batched" (a few torch ops over a stack of all tasks,
+    `batched`: the path on an accelerator, where τ and the masks are returned), "torch" (the streaming
+    reference) or "auto" (numba where it applies, batched on an accelerator, else torch): the same τ and
+    masks bit for bit, rescalers within a few float32 ulps (their sums are accumulated in other orders)."""
     if rescaler not in RESCALERS:
         raise ValueError(f"rescaler must be one of {RESCALERS}, got {rescaler!r}")
     check_compatible(vectors, [1.0] * len(vectors))
     layout = Layout(vectors)
+    path = kernels.choose(backend, layout)
+    if path == "batched":
+        unified, masks, sums = batched.unify(layout, vectors, per_key_sums=rescaler == "per_tensor_mean")
+        return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     flats = [layout.flat_views(tv) for tv in vectors]
     unified = layout.empty_flat()
     device = layout.device
     masks = [torch.empty(packed_size(layout.numel), dtype=torch.uint8, device=device)  # both paths write every byte
              for _ in vectors]
-    if kernels.use_kernels(backend, layout):
+    if path == "numba":
         sums = torch.from_numpy(fused_passes.unify_pass(kernels.Plan(layout, flats), unified, masks))
         return Unified(TaskVector(layout.unflatten(unified)), masks, _rescalers(sums, layout, rescaler))
     n_tasks, keys = len(vectors), list(layout.numels)
@@ -107,7 +113,8 @@ def unify(vectors: Sequence[TaskVector], rescaler: str = "global_sum", backend: 
 
 
 def _rescalers(sums: torch.Tensor, layout: Layout, rescaler: str) -> list[float]:
-    """λ_t from the per-key sums [2, T, keys] (Σ|τ_t| and Σ|m_t ⊙ τ|)."""
+    """λ_t from the per-key sums [2, T, keys] (Σ|τ_t| and Σ|m_t ⊙ τ|; for "global_sum" any split of the
+    keys into columns, e.g. one column of totals)."""
     sums = sums.cpu()
     if rescaler == "per_tensor_mean":  # each key's mean weighs the same (an empty key adds nothing)
         sums = sums / torch.tensor([max(n, 1) for n in layout.numels.values()], dtype=torch.float64)

@@ -157,16 +157,17 @@ class PeftHost:
                 if p.requires_grad and p.data_ptr() in by_storage}
 
     @contextlib.contextmanager
-    def adapter(self, name: str) -> Iterator[None]:
+    def adapter(self, name: str, peft_config: PeftConfig | None = None) -> Iterator[None]:
         """Make the PEFT adapter `name` active (`state`, `load_state`, training and inference then use
-        it), adding it with the host's config on first use; the previous adapter is active again on
-        exit. The new adapter's random init is drawn outside the global RNG stream and is meant to be
-        overwritten with `load_state`."""
+        it), adding it on first use with the host's config, or `peft_config` (e.g. the host's LoRA at
+        another rank: a client of a mixed-rank run); the previous adapter is active again on exit. The new
+        adapter's random init is drawn outside the global RNG stream and is meant to be overwritten with
+        `load_state`."""
         previous = self.model.active_adapter
         if name not in self.model.peft_config:
             with torch.random.fork_rng(devices=[]):
                 # a copy: PEFT appends its head names to the config's modules_to_save when adding
-                self.model.add_adapter(name, copy.deepcopy(self.peft_config))
+                self.model.add_adapter(name, copy.deepcopy(peft_config or self.peft_config))
         self.model.set_adapter(name)
         try:
             yield

@@ -211,6 +211,17 @@ class Strategy(ABC):
     @abstractmethod
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate: ...
 
+    def trains_clients_together(self, trainer: LocalTrainer) -> bool:
+        """Whether `client_updates` may train several clients together on `trainer` (then the in-process engine
+        hands a round's clients over at once)."""
+        return False
+
+    def client_updates(self, downlinks: list[dict[str, TaskVector]], jobs: list[ClientJob],
+                       trainer: LocalTrainer) -> list[ClientUpdate]:
+        """`client_update` for several clients of one process: a strategy may train them together (FedAvg:
+        `LocalTrainer.train_many`)."""
+        return [self.client_update(d, j, trainer) for d, j in zip(downlinks, jobs)]
+
     def client_query(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
         """Answer the QUERY `job.query` (statistics or gradients, no training)."""
         raise ProtocolError(f"strategy {self.name!r} sends no queries")

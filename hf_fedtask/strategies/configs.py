@@ -14,10 +14,11 @@ from hf_fedtask.core.fields import check_fields, option
 from hf_fedtask.core.names import LINEARIZATIONS, RESCALERS
 from hf_fedtask.errors import ConfigError
 
-__all__ = ["COMBINE_RULES", "DEFAULT_READING", "DOWNLINKS", "FACTORS", "LINEARIZE_AT", "LORA_AGGREGATIONS",
-           "NEIGHBOURHOODS", "PRODUCT", "READINGS", "SHARE_MODES", "WIRE_DTYPE_NAMES", "F2L2Config", "FedAvgConfig",
-           "FedAvgLoRAConfig", "FedPerConfig", "FedProxConfig", "FedProxLoRAConfig", "FedYoloConfig", "MaTFLConfig",
-           "MaTUConfig", "NTKFedAvgConfig", "NTKFedProxConfig", "ScaffoldConfig", "StrategyConfig", "TCTConfig"]
+__all__ = ["COMBINE_RULES", "DEFAULT_READING", "DOWNLINK_BITS", "DOWNLINKS", "EXPORT_DTYPE_NAMES", "FACTORS",
+           "LINEARIZE_AT", "LORA_AGGREGATIONS", "NEIGHBOURHOODS", "PRODUCT", "READINGS", "SHARE_MODES",
+           "WIRE_DTYPE_NAMES", "F2L2Config", "FedAvgConfig", "FedAvgLoRAConfig", "FedPerConfig", "FedProxConfig",
+           "FedProxLoRAConfig", "FedYoloConfig", "MaTFLConfig", "MaTUConfig", "NTKFedAvgConfig", "NTKFedProxConfig",
+           "ScaffoldConfig", "StrategyConfig", "TCTConfig"]
 
 # FedAvg and FedProx: how LoRA's factors are aggregated
 FACTORS, PRODUCT = "factors", "product"
@@ -27,12 +28,14 @@ LINEARIZE_AT = ("server", "pretrained")
 # FedYolo: the modules shared by all tasks
 SHARE_MODES = ("none", "half", "all")
 # MaTU (see `hf_fedtask.strategies.matu`)
-COMBINE_RULES = ("sum", "mean", "s_normalized")
+COMBINE_RULES = ("sum", "mean", "s_normalized", "s_normalized_cross")
 READINGS = ("cumulative", "delta")  # what clients upload and Eq. 7 yields
 DEFAULT_READING = "delta"
 NEIGHBOURHOODS = ("round", "all")
-DOWNLINKS = ("unified", "per_task")  # see `hf_fedtask.strategies.matu.encode_wire`
+DOWNLINKS = ("unified", "per_task", "per_task_int8", "per_task_int4")  # see `hf_fedtask.strategies.matu.encode_wire`
 WIRE_DTYPE_NAMES = ("float32", "bfloat16")  # torch dtypes of the same names
+EXPORT_DTYPE_NAMES = ("float32", "float16", "bfloat16")  # the compact export's unified vector
+DOWNLINK_BITS = {"per_task_int8": 8, "per_task_int4": 4}  # block-wise integers (`hf_fedtask.merge.blockquant`)
 
 
 @dataclass
@@ -65,6 +68,10 @@ class FedAvgLoRAConfig(FedAvgConfig):
     lora_aggregation: str = option(FACTORS, "how LoRA's A and B are aggregated: factors (each averaged on its own, "
                                    "as FedIT does) or product (the exact mean of the clients' B·A, re-factorized "
                                    "to rank r by a truncated SVD, as FlexLoRA does)", choices=LORA_AGGREGATIONS)
+    lora_ranks: list[int] | None = option(None, "clients of different LoRA ranks (FlexLoRA): each client's rank, one "
+                                          "per client or cycled over them (client c gets the (c mod k)-th); lora_r "
+                                          "is the server's global rank, at least the largest; needs "
+                                          "lora_aggregation product (default: every client at lora_r)", minimum=1)
 
     def validate(self) -> None:
         super().validate()
@@ -72,6 +79,13 @@ class FedAvgLoRAConfig(FedAvgConfig):
             raise ConfigError("strategy options: track_task_vectors needs lora_aggregation factors (product "
                               "re-factorizes the LoRA modules every round, so no task's share of their movement "
                               "adds up)")
+        if self.lora_ranks is not None and not self.lora_ranks:
+            raise ConfigError("strategy options: lora_ranks: give at least one rank (or leave it out: every client "
+                              "at lora_r)")
+        if self.lora_ranks and self.lora_aggregation != PRODUCT:
+            raise ConfigError("strategy options: lora_ranks needs lora_aggregation product (clients of different "
+                              "ranks are aggregated by their B·A products, re-factorized to lora_r by a truncated "
+                              "SVD, as FlexLoRA does)")
 
 
 @dataclass
@@ -218,7 +232,9 @@ class MaTUConfig(StrategyConfig):
                                  "> 0.5 agreeing, < 0.5 opposed)", minimum=0, maximum=1)
     combine: str = option("s_normalized", "Eq. 7: sum (literal; under cumulative it compounds, geometrically with "
                                           "short local training; under delta it adds the neighbours' increments, "
-                                          "stable) | mean | s_normalized (similarity-weighted mean, t weighing 1)",
+                                          "stable) | mean | s_normalized (similarity-weighted mean, t weighing 1) | "
+                                          "s_normalized_cross (t's own step whole, the neighbours' weighted as "
+                                          "s_normalized weighs them)",
                           choices=COMBINE_RULES)
     vectors: str = option(DEFAULT_READING, "what Eqs. 3-7 act on: cumulative (clients upload trained - θ_p, Eq. 7's "
                                            "output replaces τ^t; the literal reading, whose task vectors collapse "
@@ -232,10 +248,22 @@ class MaTUConfig(StrategyConfig):
     include_self: bool = option(False, "whether t may be its own neighbour (S(t, t) = 1)")
     downlink: str = option("unified", "what a client trains each task from: unified (the paper: λ_t·(m_t ⊙ τ) "
                                       "decoded from one unified vector, 1-bit masks and rescalers) | per_task (each "
-                                      "task's own τ^t, the point its step is added to; one vector per task held)",
+                                      "task's own τ^t, the point its step is added to; one vector per task held) | "
+                                      "per_task_int8 | per_task_int4 (each τ^t in 8 or 4-bit integers, a bfloat16 "
+                                      "scale per 64 entries: 0.26 or 0.13 of per_task's bytes)",
                            choices=DOWNLINKS)
     wire_dtype: str = option("float32", "dtype of the unified vector on the wire (bfloat16 halves it)",
                              choices=WIRE_DTYPE_NAMES)
+    export_dtype: str = option("float16", "dtype of the compact export's unified vector (float16 halves it; the "
+                                          "export's accuracy is measured from it)", choices=EXPORT_DTYPE_NAMES)
+    downlink_feedback: bool = option(True, "with per_task_int8/int4: server-side error feedback, each task's "
+                                           "rounding error carried into its next downlink so the starts its "
+                                           "clients train from average to τ^t")
+
+    def validate(self) -> None:
+        if not self.downlink_feedback and self.downlink not in DOWNLINK_BITS:
+            raise ConfigError(f"downlink_feedback: false has no effect with downlink {self.downlink} (nothing is "
+                              f"rounded; only {' and '.join(DOWNLINK_BITS)} are): drop it")
 
 
 @dataclass

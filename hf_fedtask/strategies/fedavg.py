@@ -17,7 +17,9 @@ B·A moves by α times the sample-weighted mean of the clients' changes of B_i·
 by a truncated SVD computed from the factors (FlexLoRA: Bai et al., 2024; `hf_fedtask.merge.lora_product`),
 reporting the truncation's residual (`lora_truncation_residual`). Unlearning negates a client's change of
 the product there. NTKFedAvg and NTKFedProx do not offer it: their clients train a model affine in A and B
-(the linearized network, or L-LoRA), for which averaging the factors is already exact.
+(the linearized network, or L-LoRA), for which averaging the factors is already exact. With `product`, clients
+may hold different ranks (`lora_ranks`, FlexLoRA: `hf_fedtask.strategies.hetero_rank`): each receives the
+global product truncated to its rank and trains it in its own adapter; the server re-factorizes to `lora_r`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from hf_fedtask.strategies.configs import FACTORS, PRODUCT, FedAvgLoRAConfig, Fe
 from hf_fedtask.strategies.configs import LORA_AGGREGATIONS as LORA_AGGREGATIONS
 from hf_fedtask.strategies.configs import FedAvgConfig as FedAvgConfig
 from hf_fedtask.strategies.configs import FedProxConfig as FedProxConfig
+from hf_fedtask.strategies.hetero_rank import at_rank, check_ranks, client_rank, mixed_rank_step, truncate_shared
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
@@ -71,12 +74,28 @@ class FedAvg(Strategy, ClientPrivacy):
         members that do not."""
         return self.config.lora_aggregation if isinstance(self.config, FedAvgLoRAConfig) else FACTORS
 
+    @property
+    def lora_ranks(self) -> list[int] | None:
+        """The clients' LoRA ranks (`lora_ranks`, `hf_fedtask.strategies.hetero_rank`) where the strategy offers
+        them and they are set; None: every client at the server's rank."""
+        return self.config.lora_ranks if isinstance(self.config, FedAvgLoRAConfig) else None
+
     def check_run(self, config) -> None:
         super().check_run(config)
         if self.lora_aggregation == PRODUCT and config.peft_method != "lora":
             raise ConfigError(f"lora_aggregation product averages LoRA's B·A products: peft_method "
                               f"{config.peft_method!r} has no LoRA factors (use peft_method lora, or "
                               "lora_aggregation factors)")
+        if self.lora_ranks:
+            check_ranks(self.lora_ranks, config)
+
+    def downlink(self, state: GlobalState, client_id: int, tasks: list[str]) -> dict[str, TaskVector]:
+        """The state's shared modules and the client's heads; with `lora_ranks`, the LoRA modules truncated to
+        the client's rank (`hf_fedtask.strategies.hetero_rank.truncate_shared`)."""
+        out = super().downlink(state, client_id, tasks)
+        if self.lora_ranks:
+            out[SHARED] = truncate_shared(out[SHARED], client_rank(self.lora_ranks, client_id), state.round)
+        return out
 
     def _train_options(self, downlink: dict[str, TaskVector], job: ClientJob, task: str) -> dict:
         """Extra `LocalTrainer.train` arguments for `task` (an objective, a linearization point)."""
@@ -89,12 +108,35 @@ class FedAvg(Strategy, ClientPrivacy):
         return state
 
     def client_update(self, downlink: dict[str, TaskVector], job: ClientJob, trainer: LocalTrainer) -> ClientUpdate:
-        return delta_update(downlink, job, trainer, options=lambda task: self._train_options(downlink, job, task))
+        options = lambda task: self._train_options(downlink, job, task)  # noqa: E731
+        if self.lora_ranks:  # the client's own rank: its own adapter on the shared host
+            with at_rank(trainer.host, client_rank(self.lora_ranks, job.client_id)):
+                return delta_update(downlink, job, trainer, options=options)
+        return delta_update(downlink, job, trainer, options=options)
+
+    def trains_clients_together(self, trainer: LocalTrainer) -> bool:
+        """FedAvg's plain local training (no objective, linearization or per-client rank) on a trainer that
+        batches clients."""
+        return (trainer.batches_clients and type(self).client_update is FedAvg.client_update and not self.lora_ranks
+                and type(self)._train_options is FedAvg._train_options)
+
+    def client_updates(self, downlinks: list[dict[str, TaskVector]], jobs: list[ClientJob],
+                       trainer: LocalTrainer) -> list[ClientUpdate]:
+        """`client_update` of each job; clients holding one task, of the same size, trained together where the
+        trainer batches clients (`LocalTrainer.train_many`) and the local training is FedAvg's plain one."""
+        together = batched_delta_updates(downlinks, jobs, trainer) if self.trains_clients_together(trainer) else (
+            [None] * len(jobs))
+        return [u if u is not None else self.client_update(d, j, trainer) for u, d, j in zip(together, downlinks, jobs)]
 
     def server_aggregate(self, state: GlobalState, updates: list[ClientUpdate]) -> GlobalState:
         c = self.config
         signs = [-1.0 if forgotten(u, c.forget_tasks or (), c.forget_clients or ()) else 1.0 for u in updates]
         negated = negate_forgotten(updates, c.forget_tasks or (), c.forget_clients or ())
+        if self.lora_ranks:  # clients of different ranks: their products, re-factorized to the server's rank
+            shared, diagnostics = mixed_rank_step(state.vectors[SHARED], updates, negated, self.lora_ranks,
+                                                  state.round, c.server_lr, signs)
+            new = state.next({SHARED: shared, **average_heads(state, negated, c.server_lr)})
+            return AggregatedState(new.round, new.vectors, new.scalars, diagnostics=diagnostics)
         vectors = {SHARED: fedavg_shared(state, negated, c.server_lr), **average_heads(state, negated, c.server_lr)}
         if c.track_task_vectors:
             vectors.update(accumulate_task_vectors(state, negated, c.server_lr))
@@ -128,10 +170,41 @@ def delta_update(downlink: dict[str, TaskVector], job: ClientJob, trainer: Local
                  options: Callable[[str], dict] = lambda task: {}) -> ClientUpdate:
     """Train the client's tasks in turn (`train_tasks_in_turn`) and send the change of the shared
     modules and of each head."""
-    shared, heads, metrics = train_tasks_in_turn(downlink, job, trainer, options=options)
+    return _delta(downlink, job, *train_tasks_in_turn(downlink, job, trainer, options=options))
+
+
+def _delta(downlink: dict[str, TaskVector], job: ClientJob, shared: TaskVector, heads: dict[str, TaskVector],
+           metrics: dict) -> ClientUpdate:
+    """The update of trained `shared` modules and `heads`: their changes from the downlink."""
     vectors = {SHARED: shared - downlink[SHARED]}
     vectors.update({head_name(t): h - downlink[head_name(t)] for t, h in heads.items()})
     return ClientUpdate(job.client_id, job.round, vectors, job.num_samples(), metrics)
+
+
+def _split_trained(downlink: dict[str, TaskVector], task: str, trained: TaskVector, m: dict
+                   ) -> tuple[TaskVector, dict[str, TaskVector], dict]:
+    """(shared modules, {task: head}, metrics) of a state trained on `task`."""
+    shared = trained.filter(lambda k: k in downlink[SHARED])
+    head = trained.filter(lambda k: k not in downlink[SHARED])
+    return shared, {task: head}, {f"{task}/train_loss": m["train_loss"], f"{task}/lr_sum": m.get("lr_sum", 0.0)}
+
+
+def batched_delta_updates(downlinks: list[dict[str, TaskVector]], jobs: list[ClientJob],
+                          trainer: LocalTrainer) -> list[ClientUpdate | None]:
+    """`delta_update` of the jobs (no extra training options) whose clients `trainer.train_many` trains together
+    (one task, of one data size, per group); None for the others, which the caller trains one at a time."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, job in enumerate(jobs):
+        if len(job.tasks) == 1:
+            groups.setdefault((job.tasks[0], len(job.data[job.tasks[0]])), []).append(i)
+    updates: list[ClientUpdate | None] = [None] * len(jobs)
+    for (task, _), members in groups.items():
+        starts = [TaskVector({**downlinks[i][SHARED], **downlinks[i][head_name(task)]}) for i in members]
+        trained = trainer.train_many(starts, [jobs[i].data[task] for i in members],
+                                     [jobs[i].seed_for(task) for i in members]) if len(members) > 1 else None
+        for i, (state, m) in zip(members, trained or ()):
+            updates[i] = _delta(downlinks[i], jobs[i], *_split_trained(downlinks[i], task, state, m))
+    return updates
 
 
 def forgotten(update: ClientUpdate, tasks: Iterable[str], clients: Iterable[int] = ()) -> bool:
@@ -217,10 +290,9 @@ def train_tasks_in_turn(downlink: dict[str, TaskVector], job: ClientJob, trainer
     for task in job.tasks:
         start = TaskVector({**shared, **downlink[head_name(task)]})
         trained, m = trainer.train(start, job.data[task], seed=job.seed_for(task), **options(task))
-        shared = trained.filter(lambda k: k in downlink[SHARED])
-        heads[task] = trained.filter(lambda k: k not in downlink[SHARED])
-        metrics[f"{task}/train_loss"] = m["train_loss"]
-        metrics[f"{task}/lr_sum"] = m.get("lr_sum", 0.0)
+        shared, head, task_metrics = _split_trained(downlink, task, trained, m)
+        heads.update(head)
+        metrics.update(task_metrics)
     return shared, heads, metrics
 
 

@@ -13,6 +13,7 @@ holders N^t (x_n^t ≈ λ_n^t·(m_n^t ⊙ τ_n) is holder n's decoded upload for
     τ̃^t = Σ_{t'∈Z^t} S(t, t')·m̂^t ⊙ a^t'                                        (Eq. 6)
     combine(τ̂^t, τ̃^t) = τ̂^t + τ̃^t (sum) | ½(τ̂^t + τ̃^t) (mean)
                        | (τ̂^t + τ̃^t) / (1 + Σ_{Z^t} S) (s_normalized)              (Eq. 7)
+                       | τ̂^t + τ̃^t / (1 + Σ_{Z^t} S) (s_normalized_cross)
 
 then sends each client the unification of {τ^t : t ∈ T_n}. S ≈ 0.5 means unrelated tasks (random
 signs), S > 0.5 agreeing and S < 0.5 opposed ones. Two readings of what the vectors are (`vectors`):
@@ -27,7 +28,9 @@ signs), S > 0.5 agreeing and S < 0.5 opposed ones. Two readings of what the vect
                 θ_p + λ_n^t·(m_n^t ⊙ τ_n)), and τ^t ← τ^t + combine(τ̂^t, τ̃^t): Eqs. 3-7 act on
                 increments, so tasks stay distinct; `sum` adds the neighbours' increments each round,
                 stable because increments are small; `mean` and `s_normalized` mix t's own step with
-                its neighbours' (shrinking it).
+                its neighbours' (shrinking it: by 1 / (1 + Σ S), about half with two unrelated
+                neighbours); `s_normalized_cross` keeps t's own step whole and adds the neighbours'
+                with the weights `s_normalized` gives them.
 
 Where a client starts (`downlink`): `unified` (the paper's) decodes each task's start
 λ_n^t·(m_n^t ⊙ τ_n) from the unification of the client's tasks, so under delta the step is measured at
@@ -36,8 +39,15 @@ opposed tasks can end up further apart than their optima. `per_task` sends every
 (one vector per task instead of one for all, and no masks), so the step lands where it was measured.
 Adding the step where the client started instead (the server can re-decode what it sent, no extra
 bytes) is worse: local training moves a start only part of the way, so what the unification drops
-would be lost again every round (`benchmarks/matu_start.py` measures all three). Each slot of a wire
-form carries its task's name (`tasks`), so slots are matched by name, never by position.
+would be lost again every round (`benchmarks/matu_start.py` measures all three). `per_task_int4` and
+`per_task_int8` send each τ^t block-quantized (`hf_fedtask.merge.blockquant`: 4.25 bits an entry at 4, 0.133 of float32,
+so a client holding 8 tasks receives about what the unified downlink's float32 vector and masks cost); the
+client trains from the decoded start. With `downlink_feedback` (the default) the server keeps each task's
+rounding error e^t (per task, not per client) and adds it to the task's next downlink, round(τ^t + e^t),
+as error-feedback compressors do: the starts a task's holders train from then average to τ^t over rounds,
+where plain rounding would keep measuring every step at the same rounded point (τ^t settles where its
+rounding is optimal, a quantization step off). The server's τ^t, evaluated and exported, is never rounded.
+Each slot of a wire form carries its task's name (`tasks`), so slots are matched by name, never by position.
 
 Neighbours (`neighbours`): `round` compares (v) and adds (a) only this round's τ̂ of the tasks with
 participants; `all` (default) compares every task's server vector, so tasks carried forward from
@@ -52,7 +62,10 @@ without participants keep τ^t.
 The server state is per task only (τ^t, heads), never per client. Each task is evaluated and exported
 from θ_p + τ^t (`task_parameters`); each round the server also unifies all T task vectors into the
 storage-saving compact form (one τ, T masks, T rescalers; `export` in the state, `compact_form`), whose
-own decoding θ_p + λ_t·(m_t ⊙ τ) is `compact_task_parameters`.
+own decoding θ_p + λ_t·(m_t ⊙ τ) is `compact_task_parameters`; τ is kept in `export_dtype` (float16 by
+default, so the accuracy reported for the compact form is that of what is exported), and the export
+regenerates θ_p from the run's seed instead of storing it where that reproduces it bit for bit
+(`hf_fedtask.export.compact`).
 
 Heads are per task and cannot be unified (their shapes differ): they travel as float32 and are
 averaged over the task's holders as in FedAvg (the paper's ViT heads are not described).
@@ -70,7 +83,7 @@ from hf_fedtask.core.state import MATU_EXPORT, MATU_WIRE, matu_task_vector_name
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.core.wire import ClientUpdate
 from hf_fedtask.errors import ConfigError, TaskVectorError
-from hf_fedtask.merge import agreement_mask, sign_similarity, unify, weighted_average
+from hf_fedtask.merge import agreement_mask, blockquant, sign_similarity, unify, weighted_average
 from hf_fedtask.merge.bitmask import packed_size, unpack_bits
 from hf_fedtask.privacy.hooks import ClientPrivacy
 from hf_fedtask.strategies.base import (
@@ -89,15 +102,21 @@ from hf_fedtask.strategies.base import (
 # `NAME as NAME`: re-exported, defined here before hf_fedtask.strategies.configs
 from hf_fedtask.strategies.configs import COMBINE_RULES as COMBINE_RULES
 from hf_fedtask.strategies.configs import DEFAULT_READING as DEFAULT_READING
+from hf_fedtask.strategies.configs import DOWNLINK_BITS, EXPORT_DTYPE_NAMES, WIRE_DTYPE_NAMES, MaTUConfig
 from hf_fedtask.strategies.configs import DOWNLINKS as DOWNLINKS
 from hf_fedtask.strategies.configs import NEIGHBOURHOODS as NEIGHBOURHOODS
 from hf_fedtask.strategies.configs import READINGS as READINGS
-from hf_fedtask.strategies.configs import WIRE_DTYPE_NAMES, MaTUConfig
 
 if TYPE_CHECKING:
     from hf_fedtask.client.trainer import LocalTrainer
 
-WIRE_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
+WIRE_DTYPES = {name: getattr(torch, name) for name in (*WIRE_DTYPE_NAMES, *EXPORT_DTYPE_NAMES)}
+DOWNLINK_ERROR = "downlink_error/"  # e^t: the rounding error a quantized per-task downlink feeds back
+
+
+def downlink_error_name(task: str) -> str:
+    """The state vector of `task`'s downlink rounding error (per_task_int8/int4 with `downlink_feedback`)."""
+    return f"{DOWNLINK_ERROR}{task}"
 
 
 def encode_tasks(tasks: list[str]) -> torch.Tensor:
@@ -111,20 +130,26 @@ def wire_tasks(wire: TaskVector) -> list[str]:
 
 
 def encode_wire(vectors: dict[str, TaskVector], rescaler: str, dtype: str = "float32",
-                heads: dict[str, TaskVector] | None = None, per_task: bool = False) -> TaskVector:
+                heads: dict[str, TaskVector] | None = None, per_task: bool = False, bits: int = 32) -> TaskVector:
     """MaTU's wire form of task vectors (task -> τ^t, PEFT keys), its slots in the order given:
 
         tasks      the task names in slot order (`encode_tasks`), so slots are matched by name
-        unified    the unified vector τ, flat (float32, or bfloat16 on request)
+        unified    the unified vector τ, flat (float32, or bfloat16 on request; float16 in the export)
         masks      (T, ⌈d/8⌉) uint8: task t's mask m_t, bit-packed over the same flat layout
         rescalers  (T,) float32: λ_t
         heads      the tasks' heads, flattened and concatenated in slot order (when given)
 
     A handful of tensors whatever T and the number of modules, so the header stays a few hundred
     bytes. `per_task` sends every τ^t itself instead of the unification: `vectors` (T, d) replaces
-    unified, masks and rescalers (T times the unified vector's bytes)."""
+    unified, masks and rescalers (T times the unified vector's bytes); with `bits` 8, 4 or 2 each row
+    is block-quantized instead (`hf_fedtask.merge.blockquant`): `codes` (T, ⌈d·bits/8⌉) uint8,
+    `scales` (T, ⌈d/64⌉) bfloat16 and `bits` (a uint8) replace `vectors` (4.25 bits an entry at 4)."""
     tasks = list(vectors)
-    if per_task:
+    if per_task and bits != 32:
+        rows = [blockquant.quantize(vectors[t].flatten(), bits) for t in tasks]
+        wire = {"tasks": encode_tasks(tasks), "codes": torch.stack([r.codes for r in rows]),
+                "scales": torch.stack([r.scales for r in rows]), "bits": torch.tensor([bits], dtype=torch.uint8)}
+    elif per_task:
         wire = {"tasks": encode_tasks(tasks),
                 "vectors": torch.stack([vectors[t].flatten() for t in tasks]).to(WIRE_DTYPES[dtype])}
     else:
@@ -166,10 +191,15 @@ def slot(wire: TaskVector, task: str) -> int:
 
 
 def decode_task(wire: TaskVector, task: str, like: TaskVector) -> TaskVector:
-    """λ_t·(m_t ⊙ τ) of `task` (its own τ^t in a per-task wire form), in the keys, shapes and dtypes of `like`."""
+    """λ_t·(m_t ⊙ τ) of `task` (its own τ^t in a per-task wire form, as quantized there), in the keys, shapes and
+    dtypes of `like`."""
     index = slot(wire, task)
     if "vectors" in wire:
         return TaskVector.unflatten(wire["vectors"][index].float(), like)
+    if "codes" in wire:
+        numel = sum(v.numel() for v in like.values())
+        return TaskVector.unflatten(blockquant.dequantize(wire["codes"][index], wire["scales"][index],
+                                                          int(wire["bits"][0]), numel), like)
     flat = wire["unified"].float()
     masked = flat * unpack_bits(wire["masks"][index], flat.numel())
     return TaskVector.unflatten(float(wire["rescalers"][index]) * masked, like)
@@ -200,29 +230,48 @@ class MaTU(Strategy, CompactExport, ClientPrivacy):
 
     def init_state(self, host, tasks, seed, allocation) -> GlobalState:
         state = super().init_state(host, tasks, seed, allocation)  # SHARED holds θ_p and never moves
+        if isinstance(getattr(host, "seed", None), int):  # θ_p's seed: the compact export regenerates θ_p from it
+            state.scalars["init_seed"] = host.seed
+            state.scalars["shared_head"] = int(getattr(host, "shared_head", 0))
         zero = state.vectors[SHARED].zeros_like()
         for task in tasks:
             state.vectors[matu_task_vector_name(task.name)] = zero
+            if self._feedback:
+                state.vectors[downlink_error_name(task.name)] = zero
         state.vectors.update(self._exported(state))
         return state
+
+    @property
+    def _feedback(self) -> bool:
+        """Whether the server keeps each task's downlink rounding error (quantized per-task downlink)."""
+        return self._bits != 32 and self.config.downlink_feedback
+
+    @property
+    def _bits(self) -> int:
+        """Bits an entry of each τ^t on a per-task downlink (32: float, in `wire_dtype`)."""
+        return DOWNLINK_BITS.get(self.config.downlink, 32)
 
     def _task_vectors(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
         return {t: state.vectors[matu_task_vector_name(t)] for t in tasks}
 
     def _exported(self, state: GlobalState) -> dict[str, TaskVector]:
         """All tasks unified (the compact export), kept in the state as `export`."""
-        return {MATU_EXPORT: encode_wire(self._task_vectors(state, state.tasks), self.config.rescaler)}
+        return {MATU_EXPORT: encode_wire(self._task_vectors(state, state.tasks), self.config.rescaler,
+                                         self.config.export_dtype)}
 
     def compact_form(self, state: GlobalState) -> dict:
-        """The exported form as `hf_fedtask.compact.save_compact` arguments (bool masks per key)."""
+        """The exported form as `hf_fedtask.compact.save_compact` arguments (bool masks per key; τ in
+        `export_dtype`; θ_p's seed, so the export can regenerate θ_p instead of storing it)."""
         origin = state.vectors[SHARED]
         wire = state.vectors[MATU_EXPORT]
         shapes = {k: tuple(v.shape) for k, v in origin.items()}
         numel = wire["unified"].numel()
         tasks = wire_tasks(wire)
+        seed = state.scalars.get("init_seed")
         return {
             "init": origin,
-            "unified": TaskVector.unflatten(wire["unified"], origin),
+            **({"init_seed": seed, "shared_head": state.scalars.get("shared_head", 0)} if seed is not None else {}),
+            "unified": TaskVector.unflatten(wire["unified"], shapes),
             "masks": {t: TaskVector.unflatten(unpack_bits(wire["masks"][i], numel), shapes)
                       for i, t in enumerate(tasks)},
             "rescalers": {t: float(wire["rescalers"][i]) for i, t in enumerate(tasks)},
@@ -246,9 +295,28 @@ class MaTU(Strategy, CompactExport, ClientPrivacy):
     def _heads(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
         return {t: state.vectors[head_name(t)] for t in tasks}
 
+    def _sent(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
+        """What a quantized per-task downlink rounds: τ^t plus, with error feedback, what rounding left out of
+        the task's previous downlinks (e^t); else τ^t."""
+        vectors = self._task_vectors(state, tasks)
+        if not self._feedback:
+            return vectors
+        return {t: v + state.vectors[downlink_error_name(t)] for t, v in vectors.items()}
+
     def downlink(self, state, client_id, tasks) -> dict[str, TaskVector]:
-        return {MATU_WIRE: encode_wire(self._task_vectors(state, tasks), self.config.rescaler, self.config.wire_dtype,
-                                  heads=self._heads(state, tasks), per_task=self.config.downlink == "per_task")}
+        return {MATU_WIRE: encode_wire(self._sent(state, tasks), self.config.rescaler, self.config.wire_dtype,
+                                       heads=self._heads(state, tasks), per_task=self.config.downlink != "unified",
+                                       bits=self._bits)}
+
+    def _downlink_errors(self, state: GlobalState, tasks: list[str]) -> dict[str, TaskVector]:
+        """e^t ← τ^t + e^t − decode(round(τ^t + e^t)) for the tasks trained this round (server-side error feedback,
+        as in error-feedback SGD, on the downlink): what rounding left out of the start the task's holders got
+        is added to its next downlink, so over rounds the starts average to τ^t instead of staying off by a
+        fixed rounding error (the step is measured there, so τ^t would settle where its rounding is optimal)."""
+        sent = self._sent(state, tasks)
+        wire = encode_wire(sent, self.config.rescaler, per_task=True, bits=self._bits)
+        origin = state.vectors[SHARED]
+        return {downlink_error_name(t): v - decode_task(wire, t, origin) for t, v in sent.items()}
 
     def update_templates(self, state, client_id, tasks) -> dict[str, TaskVector]:
         numel = sum(t.numel() for t in state.vectors[SHARED].values())
@@ -302,6 +370,8 @@ class MaTU(Strategy, CompactExport, ClientPrivacy):
         if self.config.vectors == "delta":
             combined = {t: state.vectors[matu_task_vector_name(t)] + v for t, v in combined.items()}
         vectors = {matu_task_vector_name(t): v for t, v in combined.items()}
+        if self._feedback:  # the tasks whose holders trained from a downlink this round
+            vectors.update(self._downlink_errors(state, sorted(updates_by_task(updates))))
         new = state.next({**vectors, **average_heads(state, updates)})
         new.vectors.update(self._exported(new))
         return new
@@ -387,6 +457,8 @@ class MaTU(Strategy, CompactExport, ClientPrivacy):
                 out[task] = same_task[task] + cross
             elif self.config.combine == "mean":
                 out[task] = 0.5 * (same_task[task] + cross)
+            elif self.config.combine == "s_normalized_cross":  # t's own step whole
+                out[task] = same_task[task] + (1.0 / (1.0 + sum(float(similarity[i, j]) for j in zs))) * cross
             else:  # s_normalized: a similarity-weighted mean in which t weighs S(t, t) = 1
                 out[task] = (1.0 / (1.0 + sum(float(similarity[i, j]) for j in zs))) * (same_task[task] + cross)
         return out
