@@ -199,7 +199,8 @@ def classifier_setup(args):
     lengths = {len(x) for x in data["input_ids"]}
     assert lengths == {args.max_length}, f"expected every row truncated to {args.max_length} tokens, got {lengths}"
     trainer = LocalTrainer(host, LocalTrainingArgs.from_run(RunConfig(local_steps=args.steps,
-                                                                      batch_size=args.batch_size)))
+                                                                      batch_size=args.batch_size,
+                                                                      client_loop=args.client_loop)))
     start = TaskVector({**host.initial_shared(), **host.initial_head(task.num_labels, seed=args.seed)})
     label = (f"{args.base_model} + LoRA r=8 (query,value) + head, synthetic task, batch {args.batch_size}, "
              f"{args.max_length} tokens")
@@ -215,7 +216,8 @@ def llm_setup(args):
     from hf_fedtask.engine.environment import Environment
 
     env = Environment(RunConfig(base_model=args.base_model, suite="builtin-8", max_length=args.max_length,
-                                local_steps=args.steps, batch_size=args.batch_size, seed=args.seed))
+                                local_steps=args.steps, batch_size=args.batch_size, seed=args.seed,
+                                client_loop=args.client_loop))
     client = next(c for c, tasks in env.allocation.items() if args.task in tasks)
     data = env.client_data(client)[args.task]
     host, trainer = env.host, env.trainer
@@ -233,6 +235,9 @@ def main():
     p.add_argument("--base-model", default=None,
                    help="the base model: a text classifier (default: the MiniLM, on a synthetic task) or a causal LM, "
                         "e.g. hf-fedtask/tiny-llama or HuggingFaceTB/SmolLM2-135M-Instruct (on a builtin-8 client)")
+    p.add_argument("--client-loop", default="trainer", choices=("trainer", "lean"),
+                   help="the LocalTrainer loop measured as 'ours' (trainer: the Trainer's overhead; lean: the lean "
+                        "loop's, hf_fedtask.client.lean; the causal LM's batch check needs trainer)")
     p.add_argument("--task", default="vader_polarity", help="causal LM: the builtin-8 task whose client trains")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per client round (20; causal LM 5)")
     p.add_argument("--repeats", type=int, default=None, help="timed ours/bare pairs, median reported (11; causal LM 5)")

@@ -42,7 +42,6 @@ DEFAULTS = {
     "eval_every": 4,  # 6 evaluations instead of 24 pay for 7 more rounds than the previous default of 17
     "local_epochs": 1.0,
     "downlink": "per_task_int4",  # each task from its own τ^t, in 4-bit integers; --downlink unified: the paper's
-    "combine": "s_normalized_cross",  # Eq. 7 keeping a task's own step whole (docs/results/matu.md)
     "output_dir": "runs/matu30",
 }
 

@@ -40,14 +40,17 @@ opposed tasks can end up further apart than their optima. `per_task` sends every
 Adding the step where the client started instead (the server can re-decode what it sent, no extra
 bytes) is worse: local training moves a start only part of the way, so what the unification drops
 would be lost again every round (`benchmarks/matu_start.py` measures all three). `per_task_int4` and
-`per_task_int8` send each τ^t block-quantized (`hf_fedtask.merge.blockquant`: 4.25 bits an entry at 4, 0.133 of float32,
-so a client holding 8 tasks receives about what the unified downlink's float32 vector and masks cost); the
-client trains from the decoded start. With `downlink_feedback` (the default) the server keeps each task's
-rounding error e^t (per task, not per client) and adds it to the task's next downlink, round(τ^t + e^t),
-as error-feedback compressors do: the starts a task's holders train from then average to τ^t over rounds,
-where plain rounding would keep measuring every step at the same rounded point (τ^t settles where its
-rounding is optimal, a quantization step off). The server's τ^t, evaluated and exported, is never rounded.
-Each slot of a wire form carries its task's name (`tasks`), so slots are matched by name, never by position.
+`per_task_int8` send each τ^t block-quantized (`hf_fedtask.merge.blockquant`: 4.25 bits an entry at 4,
+0.133 of float32; the unified downlink costs 32 + 1 bits an entry per task held, so 4 bits are the cheaper
+while a client holds fewer than about 10 tasks); the client trains from the decoded start. With
+`downlink_feedback` (the default) the server keeps each task's rounding error e^t (per task, not per
+client) and adds it to the task's next downlink, round(τ^t + e^t), as error-feedback compressors do: the
+starts a task's holders train from then average to τ^t over rounds, where plain rounding would keep
+measuring every step at the same rounded point (τ^t settles where its rounding is optimal, a quantization
+step off). The server's τ^t, evaluated and exported, is never rounded. On the main job (builtin-30,
+clients holding 7.2 tasks on average) `per_task_int4` scores as `per_task` does for 0.82 of the unified
+downlink's bytes (docs/results/matu.md). Each slot of a wire form carries its task's name (`tasks`), so
+slots are matched by name, never by position.
 
 Neighbours (`neighbours`): `round` compares (v) and adds (a) only this round's τ̂ of the tasks with
 participants; `all` (default) compares every task's server vector, so tasks carried forward from
