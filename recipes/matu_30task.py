@@ -12,14 +12,17 @@ after every 4th round (an evaluation costs about two thirds of a training round 
 evaluates every round). The recipe uses every core it may (`accelerate launch` alone gives it one
 thread); `--threads N` or your OMP_NUM_THREADS wins. The paper runs 300 rounds with every client each
 round; this default is the same algorithm scaled to the CPU budget, with one change: the downlink carries
-each held task's own τ^t (`downlink: per_task`), so a client's step is measured where the server adds it,
-at about 3x the bytes of the paper's unified downlink (`--downlink unified`, which the paper preset keeps;
-the README and docs/results/matu.md have both). Any RunConfig key is a flag (`--rounds 50`);
+each held task's own τ^t, so a client's step is measured where the server adds it, in 4-bit integers with
+server-side error feedback (`downlink: per_task_int4`): 0.82x the downlink bytes of the paper's unified
+downlink (`--downlink unified`, which the paper preset keeps) and 0.15x those of float32 vectors
+(`--downlink per_task`), at the accuracy of the latter (the README and docs/results/matu.md have all three,
+and Eq. 7's rules). Any RunConfig key is a flag (`--rounds 50`);
 `--results-page docs/results/matu.md` also writes the table into that page.
 
 At the end: a per-task table (accuracy and accuracy normalized by individual centralized LoRA),
 `accuracy_vs_round.png`, `results.json`, one stock PEFT adapter per task under `adapters/`, the
-compact export (one unified vector + 1-bit masks + rescalers) under `compact/`, and the command that
+compact export (θ_p regenerated from the seed, one float16 unified vector, 1-bit masks, rescalers: 0.068x
+the bytes of the 30 adapters) under `compact/`, and the command that
 pushes an adapter to the Hub.
 """
 
@@ -41,7 +44,7 @@ DEFAULTS = {
     "rounds": 24,  # what fits the 10-minute budget on 2 cores (see the docstring)
     "eval_every": 4,  # 6 evaluations instead of 24 pay for 7 more rounds than the previous default of 17
     "local_epochs": 1.0,
-    "downlink": "per_task_int4",  # each task from its own τ^t, in 4-bit integers; --downlink unified: the paper's
+    "downlink": "per_task_int4",  # each task from its own τ^t in 4-bit integers; --downlink unified: the paper's
     "output_dir": "runs/matu30",
 }
 
