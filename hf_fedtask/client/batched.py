@@ -22,13 +22,12 @@ per-copy optimizer state and clipping.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from datasets import Dataset
 
-from hf_fedtask.client.lean import LeanLoop, PreparedData, _accepts_loss_kwargs, _training_loss
+from hf_fedtask.client.lean import LeanLoop, PreparedData, _accepts_loss_kwargs, _training_loss, step_plan
 
 MAX_STACKED_BYTES = 1 << 30
 """Bytes of stacked trainable parameters (×4: parameters, gradients and AdamW's two moments) a group of
@@ -87,14 +86,7 @@ class BatchedLoop:
         stacked = {name: torch.stack([s[name].to(device) for s in starts]).contiguous() for name in names}
 
         bs, accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
-        steps_in_epoch = math.ceil(n / bs)
-        updates_per_epoch = max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
-        if a.max_steps > 0:
-            max_steps = a.max_steps
-            epochs = max_steps // updates_per_epoch + int(max_steps % updates_per_epoch > 0)
-        else:
-            max_steps = math.ceil(a.num_train_epochs * updates_per_epoch)
-            epochs = math.ceil(a.num_train_epochs)
+        steps_in_epoch, updates_per_epoch, max_steps, epochs = step_plan(a, n)
         # one fused kernel per step over the stacked tensors, where torch has one (AdamW, SGD): the unfused
         # update makes ~12 passes over K copies that no longer fit in a cache (3.7x slower at K=100 on the MLP)
         optimizer = lean.optimizer_for(model, {name: stacked[name] for name in names}, fused=True)

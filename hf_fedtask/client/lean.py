@@ -183,14 +183,7 @@ class LeanLoop:
         set_seed(seed)  # Trainer.__init__
         prepared = self.prepared(data, device)
         bs, accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
-        steps_in_epoch = math.ceil(len(prepared) / bs)
-        updates_per_epoch = max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
-        if a.max_steps > 0:
-            max_steps = a.max_steps
-            epochs = max_steps // updates_per_epoch + int(max_steps % updates_per_epoch > 0)
-        else:
-            max_steps = math.ceil(a.num_train_epochs * updates_per_epoch)
-            epochs = math.ceil(a.num_train_epochs)
+        steps_in_epoch, updates_per_epoch, max_steps, epochs = step_plan(a, len(prepared))
         optimizer = self.optimizer_for(model)
         scheduler = get_scheduler(a.lr_scheduler_type, optimizer=optimizer,
                                   num_warmup_steps=a.get_warmup_steps(max_steps), num_training_steps=max_steps)
@@ -235,6 +228,20 @@ class LeanLoop:
                 break
         return {"train_loss": _training_loss(losses, global_step), "train_steps": global_step,
                 "train_samples": len(prepared), "lr_sum": lr_sum}
+
+
+def step_plan(targs, n: int) -> tuple[int, int, int, int]:
+    """(batches per epoch, optimizer steps per epoch, optimizer steps in all, epochs) of `n` rows, as
+    `Trainer.set_initial_training_values` counts them."""
+    steps_in_epoch = math.ceil(n / targs.per_device_train_batch_size)
+    accumulation = targs.gradient_accumulation_steps
+    updates_per_epoch = max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
+    if targs.max_steps > 0:
+        max_steps = targs.max_steps
+        return steps_in_epoch, updates_per_epoch, max_steps, (
+            max_steps // updates_per_epoch + int(max_steps % updates_per_epoch > 0))
+    return (steps_in_epoch, updates_per_epoch, math.ceil(targs.num_train_epochs * updates_per_epoch),
+            math.ceil(targs.num_train_epochs))
 
 
 def _training_loss(losses: list[torch.Tensor], steps: int) -> float:
