@@ -19,7 +19,7 @@ def results_table(results: dict) -> str:
     for name, r in results["tasks"].items():
         normalized = f"{r['normalized']:.3f}" if "normalized" in r else "-"
         rows.append((name, r.get("group") or "", r["metric"], f"{r[r['metric']]:.4f}", normalized,
-                     f"{r['chance']:.3f}", str(r["num_examples"])))
+                     f"{r['chance']:.3f}" if r.get("chance") is not None else "-", str(r["num_examples"])))
     mean_normalized = f"{results['mean_normalized']:.3f}" if results.get("mean_normalized") is not None else "-"
     rows.append(("mean", "", "", f"{results['mean_metric']:.4f}", mean_normalized, "", ""))
     if "mean_metric_compact" in results:  # the storage-saving compact export, evaluated on its own
@@ -95,7 +95,9 @@ def unlearning_report(results: dict) -> str:
     for task in order:
         metric = results["tasks"][task]["metric"]
         before = f"{u['before'][task][metric]:.4f}" if u.get("before") else "–"
-        mark = " (forgotten; chance {:.3f})".format(results["tasks"][task]["chance"]) if task in u["tasks"] else ""
+        chance = results["tasks"][task]["chance"]
+        mark = ("" if task not in u["tasks"] else " (forgotten)" if chance is None
+                else f" (forgotten; chance {chance:.3f})")
         lines.append(f"{task:<22}{before:>9}{u['after'][task][metric]:>9.4f}{mark}")
         if BACKDOOR_METRIC in u["after"][task]:
             was = f"{u['before'][task][BACKDOOR_METRIC]:.4f}" if u.get("before") else "–"
@@ -163,7 +165,8 @@ def plot_unlearning(history: list[dict], path: Path, chance: dict[str, float], t
         values = [headline_metric(h, task) for h in history]
         if task in forgotten:
             line = ax.plot(rounds, values, marker="o", linewidth=2.5, label=f"forgotten: {task}")[0]
-            ax.axhline(chance[task], color=line.get_color(), linestyle=":", linewidth=1, label=f"chance ({task})")
+            if chance.get(task) is not None:  # a free-text task has no chance level
+                ax.axhline(chance[task], color=line.get_color(), linestyle=":", linewidth=1, label=f"chance ({task})")
         else:
             ax.plot(rounds, values, color="0.75", linewidth=0.8)
     retained = [float(np.mean([headline_metric(h, t) for t in h["eval"] if t not in forgotten])) for h in history]

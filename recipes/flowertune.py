@@ -32,9 +32,10 @@ with the same instruction / input / output columns: a smoke run, not a leaderboa
 What is not FlowerTune's, and so what is comparable (the recipe prints it after the run):
 
 - the count of MB, per round and in all, is the leaderboard's communication figure for the same protocol;
-- hf_fedtask trains causal-LM tasks whose answers are a closed set of label words (the finance challenge's
-  sentiment labels), scored by multiple-choice log-likelihood; free-text responses (general, medical, code) are
-  refused in one line before anything is written;
+- the finance challenge's answers are a closed set of label words (its sentiment labels), trained as answers
+  and scored by multiple-choice log-likelihood on the held-out rows; the general, medical and code challenges
+  answer in free text, trained on the whole response (as the template's completion-only SFT) and scored on the
+  held-out rows' reference responses by token accuracy and answer loss, beside the base model's;
 - the prompt goes through the tokenizer's chat template, not the template's Alpaca prompt;
 - the per-round learning rate is constant at `learning_rate` (the template's maximum): its cosine annealing from
   5e-5 to 1e-6 over the rounds is not a RunConfig setting;
@@ -71,25 +72,27 @@ class Challenge:
 
     template: str  # examples/flowertune-llm-<template>
     prompt: str  # "instruction" | "instruction input" | "input": the columns joined by a space
+    answers: str  # "labels" (a closed set of label words) | "free_text" (responses)
     evaluated: str
     baseline: str  # the template's result, benchmarks/flowertune-llm/evaluation/README.md
     evaluation: str  # the command of benchmarks/flowertune-llm/evaluation/<template>/README.md
 
 
 CHALLENGES = {
-    "general": Challenge("general-nlp", "instruction", "MMLU accuracy: STEM, social sciences, humanities",
+    "general": Challenge("general-nlp", "instruction", "free_text", "MMLU accuracy: STEM, social sciences, humanities",
                          "12.82 (Mistral-7B template); SmolLM2-135M-Instruct, LoRA r=8, 100 rounds: 21.10 with "
                          "747.07 MB (TNI-playground)",
                          "python eval.py --base-model-name-path={base} --peft-path={adapter} --run-name=fl "
                          "--batch-size=16 --quantization=4 --category=stem,social_sciences,humanities"),
-    "finance": Challenge("finance", "instruction input", "accuracy: FPB, FiQA, TFNS", "45.27 (Mistral-7B template)",
+    "finance": Challenge("finance", "instruction input", "labels", "accuracy: FPB, FiQA, TFNS",
+                         "45.27 (Mistral-7B template)",
                          "python eval.py --base-model-name-path={base} --peft-path={adapter} --run-name=fl "
                          "--batch-size=32 --quantization=4 --datasets=fpb,fiqa,tfns"),
-    "medical": Challenge("medical", "input", "accuracy: PubMedQA, MedMCQA, MedQA, CareQA",
+    "medical": Challenge("medical", "input", "free_text", "accuracy: PubMedQA, MedMCQA, MedQA, CareQA",
                          "32.82 (Mistral-7B template)",
                          "python eval.py --base-model-name-path={base} --peft-path={adapter} --run-name=fl "
                          "--batch-size=16 --quantization=4 --datasets=pubmedqa,medmcqa,medqa,careqa"),
-    "code": Challenge("code", "instruction input", "pass@1: MBPP, HumanEval, MultiPL-E JS and C++",
+    "code": Challenge("code", "instruction input", "free_text", "pass@1: MBPP, HumanEval, MultiPL-E JS and C++",
                       "27.36 (Mistral-7B template)",
                       "python main.py --model={base} --peft_model={adapter} --max_length_generation=1024 "
                       "--batch_size=4 --use_auth_token --allow_code_execution --save_generations --save_references "
@@ -163,30 +166,39 @@ def load_rows(source: str):
 
 
 def prepare_data(challenge: str, source: str, folder: Path, holdout: int, seed: int) -> Path:
-    """The challenge's rows as an hf_fedtask task folder (save_to_disk: `prompt` and a ClassLabel `answer`, a
-    train split and `holdout` seeded test rows), reused when already prepared from the same source; refused in
-    one line, before anything is written, where the answers are free text."""
+    """The challenge's rows as an hf_fedtask task folder (save_to_disk: `prompt` and `answer`, a train split and
+    `holdout` seeded test rows), reused when already prepared from the same source. The answer is a ClassLabel
+    for a challenge of label words (refused in one line, before anything is written, where the rows answer in
+    free text), else the response text, the folder's card saying `answers: free_text` (`load_task`)."""
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+    from huggingface_hub import DatasetCard
 
-    stamp = {"challenge": challenge, "source": source, "holdout": holdout, "seed": seed}
+    free_text = CHALLENGES[challenge].answers == "free_text"
+    stamp = {"challenge": challenge, "source": source, "holdout": holdout, "seed": seed,
+             "answers": CHALLENGES[challenge].answers}
     if (folder / "prepared.json").is_file() and json.loads((folder / "prepared.json").read_text()) == stamp:
         return folder
     rows = prompt_rows(load_rows(source), challenge, source)
-    answers = sorted(set(rows["answer"]))
-    if len(answers) > MAX_ANSWERS:
-        raise ConfigError(f"challenge {challenge}: {source} answers in free text ({len(answers):,} distinct answers "
-                          f"in {len(rows['answer']):,} rows); hf_fedtask trains causal-LM tasks whose answers are a "
-                          f"closed set of label words (at most {MAX_ANSWERS}), scored as multiple choice, not "
-                          "free-text instruction tuning: of FlowerTune's challenges, finance runs here")
-    features = Features({"prompt": Value("string"), "answer": ClassLabel(names=answers)})
-    data = Dataset.from_dict({"prompt": rows["prompt"], "answer": [answers.index(a) for a in rows["answer"]]},
-                             features=features)
+    if free_text:
+        data = Dataset.from_dict(rows, features=Features({"prompt": Value("string"), "answer": Value("string")}))
+    else:
+        answers = sorted(set(rows["answer"]))
+        if len(answers) > MAX_ANSWERS:
+            raise ConfigError(f"challenge {challenge}: {source} answers in free text ({len(answers):,} distinct "
+                              f"answers in {len(rows['answer']):,} rows); the {challenge} challenge's answers are a "
+                              f"closed set of label words (at most {MAX_ANSWERS}), scored as multiple choice")
+        features = Features({"prompt": Value("string"), "answer": ClassLabel(names=answers)})
+        data = Dataset.from_dict({"prompt": rows["prompt"], "answer": [answers.index(a) for a in rows["answer"]]},
+                                 features=features)
     n_test = min(holdout, len(data) // 5)
     if n_test < 1:
         raise DataError(f"{source}: {len(data)} rows leave none to hold out for the run's test split")
     split = data.train_test_split(test_size=n_test, seed=seed)
     staging = folder.with_name(folder.name + ".staging")
     DatasetDict({"train": split["train"], "test": split["test"]}).save_to_disk(str(staging))
+    if free_text:  # what load_task reads: the answers stay text
+        DatasetCard(f"---\nanswers: free_text\n---\n\nFlowerTune {challenge} rows from {source}.\n").save(
+            staging / "README.md")
     write_atomic(staging / "prepared.json", json.dumps(stamp) + "\n")
     if folder.exists():
         import shutil
@@ -221,31 +233,57 @@ def preflight_before_data(config: RunConfig, *, resume: bool, overwrite: bool) -
     preflight.check_creatable(config.output_dir)
 
 
-def report(config: RunConfig, results: dict, challenge: str, deviated: list[str]) -> str:
-    """The run against the leaderboard: the MB count (comparable), the held-out accuracy (not), the deviations,
+def base_model_scores(config: RunConfig) -> dict:
+    """The held-out scores of the base model with the run's fresh adapter (LoRA's B is zero: the base model's own
+    answers): what a free-text run's token accuracy is measured against."""
+    from hf_fedtask.engine.environment import Environment
+    from hf_fedtask.engine.server import Server
+
+    env = Environment(config)
+    return Server(env).evaluate(env.initial)
+
+
+def score_cells(config: RunConfig, results: dict, challenge: str, base: dict | None) -> tuple[str, str]:
+    """The table's score header and cell: multiple-choice accuracy beside the majority label, or a free-text
+    run's token accuracy and answer loss beside the base model's."""
+    task = next(iter(results["tasks"]))
+    r = results["tasks"][task]
+    if CHALLENGES[challenge].answers == "labels":
+        return ("held-out accuracy % (not a leaderboard score)",
+                f"{100 * r['accuracy']:.1f} (majority label {100 * r['chance']:.1f})")
+    b = base[task]
+    return ("held-out token accuracy %, answer loss (not a leaderboard score)",
+            f"{100 * r['token_accuracy']:.1f}, {r['answer_loss']:.3f} (base model: {100 * b['token_accuracy']:.1f}, "
+            f"{b['answer_loss']:.3f})")
+
+
+def report(config: RunConfig, results: dict, challenge: str, deviated: list[str], base: dict | None = None) -> str:
+    """The run against the leaderboard: the MB count (comparable), the held-out score (not), the deviations,
     and FlowerTune's evaluation command for the exported adapter."""
     c = CHALLENGES[challenge]
     used = (results["bytes_uplink"] + results["bytes_downlink"]) / MB
     rounds = max(results["rounds"], 1)
     sampled = max(1, math.ceil(config.participation * config.client_count - 1e-9))  # as the server samples
     task = next(iter(results["tasks"]))
-    accuracy = results["tasks"][task]["accuracy"]
+    header, cell = score_cells(config, results, challenge, base)
     adapter = Path(config.output_dir) / "adapters" / task
+    how = ("multiple-choice log-likelihood" if c.answers == "labels" else
+           "the reference responses' tokens, teacher-forced (token accuracy: the share that is the model's greedy "
+           "next token; answer loss: their mean negative log-likelihood in nats)")
     lines = [
         f"FlowerTune LLM, {challenge} challenge (template `flowertune-llm-{c.template}`): {config.base_model}"
         f"{' in 4-bit' if config.load_in_4bit else ''} + LoRA r={config.lora_r}, α={config.lora_alpha}; "
         f"{config.client_count} clients, {sampled} a round; {results['rounds']} rounds × {config.local_steps} "
         f"steps (batch {config.batch_size}, {config.max_length} tokens, lr {config.learning_rate}).",
         "",
-        "| MB used (FlowerTune's count) | MB a round | budget MB | held-out accuracy % (not a leaderboard score) |",
+        f"| MB used (FlowerTune's count) | MB a round | budget MB | {header} |",
         "|---|---|---|---|",
         f"| {used:,.2f} | {used / rounds:,.2f} | {f'{config.comm_budget_mb:,.0f}' if config.comm_budget_mb else '-'} | "
-        f"{100 * accuracy:.1f} "
-        f"(majority label {100 * results['tasks'][task]['chance']:.1f}) |",
+        f"{cell} |",
         "",
         f"Comparable to the leaderboard: the MB count (parameters both ways, every round, 2**20 bytes a MB), for "
-        f"this protocol. Not comparable: the accuracy, on {results['tasks'][task]['num_examples']} held-out "
-        f"training rows by multiple-choice log-likelihood; the leaderboard's score is {c.evaluated}, by "
+        f"this protocol. Not comparable: the score, on {results['tasks'][task]['num_examples']} held-out "
+        f"training rows by {how}; the leaderboard's score is {c.evaluated}, by "
         f"FlowerTune's evaluation of the adapter (template: {c.baseline}):",
         "",
         "```bash",
@@ -289,10 +327,11 @@ def main(argv=None) -> int:
         from hf_fedtask.engine.run import run
 
         results = run(config, resume=args.resume, overwrite=args.overwrite)
+        base = base_model_scores(config) if CHALLENGES[args.challenge].answers == "free_text" else None
     except FedTaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    md = report(config, results, args.challenge, deviated)
+    md = report(config, results, args.challenge, deviated, base)
     out = Path(config.output_dir)
     write_atomic(out / "flowertune.md", md + "\n")
     print(md)

@@ -1,7 +1,8 @@
 """The FlowerTune LLM protocol: the presets hold the template apps' values, the communication budget counts
 what FlowerTune counts (within 0.5% of `ArrayRecord.count_bytes()` on a SmolLM2 adapter) and refuses a run or
-a round that would pass it in one line, and recipes/flowertune.py runs the finance challenge's protocol on local
-rows, refusing a 4-bit base without a GPU and free-text answers before anything is written."""
+a round that would pass it in one line, and recipes/flowertune.py runs the finance challenge's protocol (label
+words) and the general challenge's (free text) on local rows, refusing a 4-bit base without a GPU and free-text
+answers to the finance challenge before anything is written."""
 
 from __future__ import annotations
 
@@ -168,9 +169,32 @@ def test_the_recipe_refuses_a_4bit_base_without_a_gpu_and_free_text_answers_befo
         assert len(err) == 1 and err[0].startswith("error: load_in_4bit: ")
         assert not out.exists() and not Path(f"{out}_data").exists()
     free = write_rows(tmp_path / "free.jsonl", 100, free_text=True)
-    out = tmp_path / "general"
-    assert recipe.main(["--challenge", "general", "--data", str(free), "--base-model", "hf-fedtask/tiny-llama",
+    out = tmp_path / "finance"  # the finance challenge's answers are label words: free text is refused
+    assert recipe.main(["--challenge", "finance", "--data", str(free), "--base-model", "hf-fedtask/tiny-llama",
                         "--no-load-in-4bit", "--output-dir", str(out)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the datasets bars
     assert len(err) == 1 and "answers in free text (100 distinct answers in 100 rows)" in err[0]
     assert not out.exists() and not Path(f"{out}_data").exists()
+
+
+def test_the_recipe_runs_a_free_text_challenge_and_scores_it_against_the_base_model(tmp_path, capsys):
+    recipe = load_recipe()
+    rows = write_rows(tmp_path / "free.jsonl", 300, free_text=True)
+    out = tmp_path / "general"
+    assert recipe.main(["--challenge", "general", "--data", str(rows), "--base-model", "hf-fedtask/tiny-llama",
+                        "--no-load-in-4bit", "--rounds", "2", "--local-steps", "10", "--batch-size", "4",
+                        "--max-length", "256", "--learning-rate", "1e-2", "--output-dir", str(out)]) == 0
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(Path(f"{out}_data") / "free"))  # general: the instruction alone; the response kept
+    first = json.loads(rows.read_text().splitlines()[0])
+    assert first["instruction"] in set(data["train"]["prompt"]) and first["output"] in set(
+        data["train"]["answer"]) | set(data["test"]["answer"])
+    results = json.loads((out / "results.json").read_text())
+    r = results["tasks"]["free"]
+    text = (out / "flowertune.md").read_text()
+    cell = text.split("\n")[4]
+    assert f"| {100 * r['token_accuracy']:.1f}, {r['answer_loss']:.3f} (base model: " in cell
+    base = float(cell.split("(base model: ")[1].split(",")[0])
+    assert 100 * r["token_accuracy"] >= base + 10, cell  # the responses are learned, well past the base model
+    assert "MMLU accuracy" in text and "--category=stem,social_sciences,humanities" in text

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from hf_fedtask.client.lean import PreparedData
 from hf_fedtask.core.progress import PROGRESS_DELAY, progress_bar
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.metrics import compute, module_path
+from hf_fedtask.errors import ConfigError
+from hf_fedtask.metrics import FREE_TEXT_METRICS, check_metric, compute, free_text_scores
 from hf_fedtask.model.device import to_device
 from hf_fedtask.model.host import PeftHost
 
@@ -82,7 +83,7 @@ def predict(host: PeftHost, state: TaskVector, data: Dataset, batch_size: int = 
 def evaluate(host: PeftHost, state: TaskVector, data: Dataset, metric: str = "accuracy", batch_size: int = 128,
              linearize_at: TaskVector | None = None, linearization: str = "network") -> dict:
     """`{metric: value, "num_examples": n}` for prepared `data` (which has a `labels` column)."""
-    module_path(metric)  # an unknown metric fails before any prediction
+    check_metric(metric)  # an unknown metric fails before any prediction
     return score(predict(host, state, data, batch_size, linearize_at, linearization), data, metric)
 
 
@@ -93,6 +94,9 @@ def generation_exact_match(host: PeftHost, state: TaskVector, data: Dataset, lab
     `progress`: as `predict_batches`' (greedy decoding is the slowest scoring there is)."""
     from hf_fedtask.model.instructions import generate_answers, label_words
 
+    if not label_names:
+        raise ConfigError("generation_eval: exact match scores answers against label words; a free-text task has "
+                          "none (it is scored by token_accuracy on its reference answers)")
     words = label_words(label_names)
     longest = max(len(ids) for ids in host.inputs.choice_ids(words))
     loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.eval_collator)
@@ -108,7 +112,10 @@ def generation_exact_match(host: PeftHost, state: TaskVector, data: Dataset, lab
 
 def score(preds: np.ndarray, data: Dataset, metric: str = "accuracy") -> dict:
     """`{metric: value, "num_examples": n}` of predictions against `data`'s `labels`, computed by the
-    metric's `evaluate` module (`hf_fedtask.metrics`)."""
+    metric's `evaluate` module (`hf_fedtask.metrics`); for a free-text metric, from the predictions' answer
+    statistics, with `answer_loss` beside it."""
+    if metric in FREE_TEXT_METRICS:
+        return {**free_text_scores(preds), "num_examples": len(data)}
     labels = labels_of(data)
     return {metric: compute(metric, labels, preds), "num_examples": len(labels)}
 

@@ -195,7 +195,10 @@ def build_federation(
     clients: list[dict[str, Dataset]] = [{} for _ in range(num_clients)]
     for ti, task in enumerate(tasks):
         train = task.dataset["train"]
-        labels = np.asarray(train[task.label_column])
+        if partition != "iid" and task.free_text:
+            raise DataError(f"task {task.name!r}: partition {partition!r} skews labels, and its answers are free "
+                            "text; use partition iid")
+        labels = None if partition == "iid" else np.asarray(train[task.label_column])
         holders = np.flatnonzero(shares[:, ti])
         w = shares[holders, ti]
         task_seed = [seed, ti]

@@ -19,12 +19,14 @@ from datasets import (
 from hf_fedtask.data.builtin import load_builtin_task
 from hf_fedtask.data.builtin_tasks import BUILTIN_TASKS
 from hf_fedtask.data.images import IMAGE_TASKS
-from hf_fedtask.data.task import Task
+from hf_fedtask.data.task import Task, is_free_text
 from hf_fedtask.errors import DataError
 
 IMAGE_COLUMNS = ("image", "img")
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "document", "tweet", "utterance", "question", "prompt")
 LABEL_COLUMNS = ("label", "labels", "class", "answer")  # a prompt/answer dataset: its answers become the labels
+ANSWER_COLUMNS = ("answer", "output", "response", "completion")  # a free-text task's answers
+ANSWERS = ("labels", "free_text")
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -37,6 +39,7 @@ def load_task(
     test_size: float = 0.2,
     cache_dir=None,
     builtin_train_size: int | None = None,
+    answers: str | None = None,
 ) -> Task:
     """Resolve `ref`, in this order: an image task by name (`fashion_mnist`, `digits`: see
     `hf_fedtask.data.images`); builtin task name (or `builtin:<name>`); local save_to_disk folder
@@ -50,8 +53,14 @@ def load_task(
     `text_column=` names the input column of either kind. The label is the first of LABEL_COLUMNS. A local
     folder's dataset card (README.md) may give the task's `instruction` in its front matter.
     `builtin_train_size`: training rows of a builtin task (default 400; an error for any other kind of task,
-    whose size is its own)."""
+    whose size is its own).
+
+    `answers="free_text"` (or `answers: free_text` in a local folder's card) makes a free-text task: the
+    answer column (the first of ANSWER_COLUMNS) stays a string column, answered word for word by a causal LM
+    (instruction tuning), and the test split, where missing, is a plain seeded split."""
     ref = str(ref)
+    if answers is not None and answers not in ANSWERS:
+        raise DataError(f"{ref}: answers must be one of {', '.join(ANSWERS)}, got {answers!r}")
     if ref.startswith("builtin:") or ref in BUILTIN_TASKS:
         return load_builtin_task(ref.removeprefix("builtin:"), seed=seed, cache_dir=cache_dir,
                                  train_size=builtin_train_size)
@@ -84,11 +93,21 @@ def load_task(
         data = DatasetDict({"train": data})
     if "train" not in data:
         raise DataError(f"{ref}: no 'train' split (splits: {', '.join(data)})")
+    card = _card_fields(path) if path.is_dir() else {}
+    answers = answers or card.get("answers") or "labels"
+    if answers not in ANSWERS:
+        raise DataError(f"{path / 'README.md'}: answers must be one of {', '.join(ANSWERS)}, got {answers!r}")
     features = data["train"].features
     text_col = _pick_input(ref, features, text_column)
-    label_col = _pick_column(ref, list(features), label_column, LABEL_COLUMNS, "label")
-    data = _encode_labels(data, label_col)
-    data = _ensure_test(ref, data, label_col, seed, test_size)
+    if answers == "free_text":
+        label_col = _pick_column(ref, list(features), label_column, ANSWER_COLUMNS, "answer")
+        if not is_free_text(features[label_col]):
+            raise DataError(f"{ref}: free-text answers need a string column; {label_col!r} is {features[label_col]}")
+        data = _ensure_test(ref, data, None, seed, test_size)
+    else:
+        label_col = _pick_column(ref, list(features), label_column, LABEL_COLUMNS, "label")
+        data = _encode_labels(data, label_col)
+        data = _ensure_test(ref, data, label_col, seed, test_size)
     return Task(
         name=name,
         dataset=DatasetDict({"train": data["train"], "test": data["test"]}),
@@ -96,23 +115,24 @@ def load_task(
         label_column=label_col,
         description=f"{kind} {ref}",
         extra={"source": ref, "source_kind": kind, "seed": seed},
-        instruction=_card_instruction(path) if path.is_dir() else "",
+        instruction=card.get("instruction", ""),
     )
 
 
-def _card_instruction(folder: Path) -> str:
-    """The `instruction` of a local folder's dataset card (README.md front matter, as `hf-fedtask suite
-    export` writes it): what a causal LM is asked about each input. Empty without one."""
+def _card_fields(folder: Path) -> dict[str, str]:
+    """The string fields hf_fedtask reads from a local folder's dataset card (README.md front matter, as
+    `hf-fedtask suite export` writes it): `instruction` (what a causal LM is asked about each input) and
+    `answers` (`free_text` for prompt/response rows). Empty without a card."""
     from huggingface_hub import DatasetCard
 
     card = folder / "README.md"
     if not card.is_file():
-        return ""
+        return {}
     try:
-        value = DatasetCard.load(card).data.to_dict().get("instruction", "")
-    except (ValueError, OSError):  # an unreadable card is the data's own business: no instruction then
-        return ""
-    return value if isinstance(value, str) else ""
+        data = DatasetCard.load(card).data.to_dict()
+    except (ValueError, OSError):  # an unreadable card is the data's own business: no fields then
+        return {}
+    return {k: data[k] for k in ("instruction", "answers") if isinstance(data.get(k), str)}
 
 
 def _load_dir(path: Path) -> DatasetDict | Dataset:
@@ -164,13 +184,17 @@ def _encode_labels(data: DatasetDict, label_col: str) -> DatasetDict:
     })
 
 
-def _ensure_test(ref: str, data: DatasetDict, label_col: str, seed: int, test_size: float) -> DatasetDict:
+def _ensure_test(ref: str, data: DatasetDict, label_col: str | None, seed: int, test_size: float) -> DatasetDict:
+    """`data` with a test split: its own, or a seeded `test_size` split of train, stratified by `label_col`
+    where it can be (None: free-text answers, a plain split)."""
     if "test" in data:
         return data
     if not 0 < test_size < 1:
         raise DataError(f"{ref}: test_size must be in (0, 1), got {test_size}")
     train = data["train"]
     try:
+        if label_col is None:
+            raise ValueError("nothing to stratify by")
         split = train.train_test_split(test_size=test_size, seed=seed, stratify_by_column=label_col)
     except ValueError:  # a class too small to stratify: fall back to a plain seeded split
         split = train.train_test_split(test_size=test_size, seed=seed)

@@ -1,12 +1,23 @@
 """A task: a `datasets.DatasetDict` with train/test splits, an input column (text, or a datasets
 `Image` for image tasks), a ClassLabel label column and a metric. This is the unit every
-partitioner, client and evaluator works with."""
+partitioner, client and evaluator works with.
+
+A *free-text* task (instruction tuning on prompt/response rows, for a causal LM) has a string answer
+column in place of the ClassLabel: no label names, no chance level, and a free-text metric
+(`hf_fedtask.metrics.FREE_TEXT_METRICS`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from datasets import ClassLabel, DatasetDict, Image
+from datasets import ClassLabel, DatasetDict, Image, Value
+
+FREE_TEXT_METRIC = "token_accuracy"  # a free-text task's default metric (hf_fedtask.metrics.FREE_TEXT_METRICS)
+
+
+def is_free_text(feature) -> bool:
+    """Whether a label column's feature holds free-text answers (a string column) rather than classes."""
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
 
 
 @dataclass
@@ -18,7 +29,7 @@ class Task:
     dataset: DatasetDict
     text_column: str = "text"
     label_column: str = "label"
-    metric: str = "accuracy"
+    metric: str | None = None  # None: "accuracy", or FREE_TEXT_METRIC for a free-text task
     group: str | None = None
     description: str = ""
     extra: dict = field(default_factory=dict)
@@ -34,8 +45,21 @@ class Task:
         for col in (self.text_column, self.label_column):
             if col not in features:
                 raise ValueError(f"task {self.name!r}: missing column {col!r}")
+        from hf_fedtask.metrics import FREE_TEXT_METRICS
+
+        if self.free_text:
+            self.metric = self.metric or FREE_TEXT_METRIC
+            if self.metric not in FREE_TEXT_METRICS:
+                raise ValueError(f"task {self.name!r}: metric {self.metric!r} scores classes; a free-text task's "
+                                 f"answers are scored by {', '.join(FREE_TEXT_METRICS)}")
+            return
         if not isinstance(features[self.label_column], ClassLabel):
-            raise ValueError(f"task {self.name!r}: label column {self.label_column!r} must be a ClassLabel")
+            raise ValueError(f"task {self.name!r}: label column {self.label_column!r} must be a ClassLabel "
+                             "(or a string column of free-text answers)")
+        self.metric = self.metric or "accuracy"
+        if self.metric in FREE_TEXT_METRICS:
+            raise ValueError(f"task {self.name!r}: metric {self.metric!r} scores free-text answers; the label "
+                             f"column {self.label_column!r} holds classes")
 
     @property
     def modality(self) -> str:
@@ -43,7 +67,15 @@ class Task:
         return "image" if isinstance(self.dataset["train"].features[self.text_column], Image) else "text"
 
     @property
+    def free_text(self) -> bool:
+        """Whether the answers are free text (a string column), not classes."""
+        return is_free_text(self.dataset["train"].features[self.label_column])
+
+    @property
     def label_names(self) -> list[str]:
+        """The class names in label-id order; none for a free-text task."""
+        if self.free_text:
+            return []
         return list(self.dataset["train"].features[self.label_column].names)
 
     @property
@@ -51,8 +83,11 @@ class Task:
         return len(self.label_names)
 
     @property
-    def chance(self) -> float:
-        """Accuracy of always predicting the most frequent test label."""
+    def chance(self) -> float | None:
+        """Accuracy of always predicting the most frequent test label (None for a free-text task: no
+        label to predict)."""
+        if self.free_text:
+            return None
         labels = self.dataset["test"][self.label_column]
         return max(labels.count(c) for c in set(labels)) / len(labels)
 
@@ -93,3 +128,9 @@ class TaskInfo:
     @property
     def num_labels(self) -> int:
         return len(self.label_names)
+
+    @property
+    def free_text(self) -> bool:
+        from hf_fedtask.metrics import FREE_TEXT_METRICS
+
+        return self.metric in FREE_TEXT_METRICS

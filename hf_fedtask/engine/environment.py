@@ -156,6 +156,8 @@ class Environment:
         if c.backdoor_client >= 0:
             for name, data in clients[c.backdoor_client].items():
                 task = self.task_by_name[name]
+                if task.free_text:
+                    raise ConfigError(f"backdoor_client: a backdoor flips labels; task {name!r} answers in free text")
                 if c.backdoor_target >= task.num_labels:
                     raise ConfigError(f"backdoor_target {c.backdoor_target} is not a class of task {name!r} "
                                       f"({task.num_labels} classes)")

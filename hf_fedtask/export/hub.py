@@ -154,9 +154,12 @@ def _card_context(info: Mapping) -> dict:
     method = f"{peft_method} adapter" if peft_method else "PEFT adapter"
     what = {"image": "classifies images into", "text": "classifies text into",
             "causal_lm": "answers an instruction with one of"}[modality]
+    answers = f"{what} {num_labels} {'words' if modality == 'causal_lm' else 'classes'}"
+    if modality == "causal_lm" and not num_labels:
+        answers = "answers instructions in free text"
     summary = (
         f"A {method} for [`{info['base_model']}`](https://huggingface.co/{info['base_model']}) "
-        f"that {what} {num_labels} {'words' if modality == 'causal_lm' else 'classes'} "
+        f"that {answers} "
         f"for the task{'s' if len(tasks) > 1 else ''} "
         f"{', '.join(f'`{t}`' for t in tasks)}. It was trained by federated fine-tuning with "
         f"`hf_fedtask`{f' using the **{strategy}** strategy' if strategy else ''}: clients train the "

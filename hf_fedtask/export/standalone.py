@@ -193,7 +193,8 @@ def _check_base(adapter_dir: Path, ref, rec: _Record, adapter_kind: str | None, 
 def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split: str = "test",
                      max_length: int | None = None, max_test_samples: int | None = None,
                      base_model: str | None = None, batch_size: int = 128, progress: bool = True) -> dict:
-    """Accuracy of the adapter on `task`'s split, computed with stock PEFT + transformers.
+    """Accuracy of the adapter on `task`'s split, computed with stock PEFT + transformers (a free-text
+    task: token accuracy and answer loss on its reference answers).
 
     Defaults come from what the adapter records (see the module): `task` the task it was trained on,
     `max_length` the run's, `max_test_samples` the seeded subset the run scored that task's test split on
@@ -204,7 +205,7 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
 
     from hf_fedtask.client.evaluation import labels_of, predict_batches
     from hf_fedtask.data import BUILTIN_TASKS, load_task
-    from hf_fedtask.metrics import compute
+    from hf_fedtask.metrics import compute, free_text_scores
     from hf_fedtask.model.backbone import resolve_base_model
     from hf_fedtask.model.device import model_device
 
@@ -235,6 +236,9 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
     if adapter_kind in ("text", "image") and t.modality != adapter_kind:
         raise ConfigError(f"{adapter_dir}: the adapter is {_KINDS[adapter_kind]}'s, but task {t.name!r} has "
                           f"{t.modality} inputs")
+    if t.free_text and not causal:
+        raise ConfigError(f"{adapter_dir}: task {t.name!r} answers in free text, which a causal LM's adapter "
+                          "writes; this adapter is a classifier's")
     if causal and t.modality != "text":
         raise ConfigError(f"{adapter_dir}: the adapter is a causal LM's (text), but task {t.name!r} has "
                           f"{t.modality} inputs")
@@ -273,11 +277,12 @@ def evaluate_adapter(adapter_dir: str | Path, task: str | None = None, *, split:
     prepared = inputs.prepare(data, t)  # as a run prepares it: token ids, pixels, or instructions
     preds = predict_batches(model, inputs, prepared, batch_size, model_device(model),
                             progress=f"evaluate {t.name}" if progress else None)
+    common = {"num_examples": len(prepared), "split_examples": total,
+              "max_test_samples": cap if cap and cap < total else None, "max_length": max_length, "base_model": base}
+    if t.free_text:  # reference answers scored teacher-forced: no labels to compare with
+        return {"task": t.name, "split": split, **free_text_scores(preds), **common}
     truth = labels_of(prepared)
-    out = {"task": t.name, "split": split, "accuracy": compute("accuracy", truth, preds),
-           "num_examples": len(truth), "split_examples": total,
-           "max_test_samples": cap if cap and cap < total else None,
-           "max_length": max_length, "base_model": base}
+    out = {"task": t.name, "split": split, "accuracy": compute("accuracy", truth, preds), **common}
     if t.metric != "accuracy":
         out[t.metric] = compute(t.metric, truth, preds)
     return out

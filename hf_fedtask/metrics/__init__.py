@@ -1,5 +1,6 @@
 """The run's metrics, computed by `evaluate` modules shipped in this package (loaded by path, so
-offline): `accuracy`, `f1_macro` (the `f1` module with average="macro") and `exact_match` (strings).
+offline): `accuracy`, `f1_macro` (the `f1` module with average="macro") and `exact_match` (strings); and a
+free-text task's `token_accuracy` (below).
 
     from hf_fedtask.metrics import load_metric
     load_metric("accuracy").compute(predictions=[0, 1], references=[0, 0])  # {'accuracy': 0.5}
@@ -23,11 +24,39 @@ METRICS = {  # run metric -> (evaluate module file, compute kwargs, result key)
 }
 
 
+FREE_TEXT_METRICS = ("token_accuracy",)
+"""Metrics of free-text answers (a causal LM's instruction tuning on prompt/response rows): scored on the
+reference answers, teacher-forced, from each example's (correct tokens, answer tokens, summed negative
+log-likelihood) (`free_text_scores`)."""
+
+
+def check_metric(metric: str) -> None:
+    """A ConfigError naming the choices for an unknown run metric."""
+    if metric not in METRICS and metric not in FREE_TEXT_METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join((*METRICS, *FREE_TEXT_METRICS))}")
+
+
 def module_path(metric: str) -> str:
     """The file `evaluate.load` takes for a run metric."""
-    if metric not in METRICS:
-        raise ConfigError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    check_metric(metric)
+    if metric in FREE_TEXT_METRICS:
+        raise ConfigError(f"metric {metric!r} is computed from token statistics (free_text_scores), not an "
+                          "evaluate module")
     return str(MODULES_DIR / METRICS[metric][0])
+
+
+def free_text_scores(stats) -> dict[str, float]:
+    """`token_accuracy` (the share of reference answer tokens that are the model's greedy next token, teacher-
+    forced, over all the examples' tokens) and `answer_loss` (the mean negative log-likelihood of an answer token,
+    in nats: the log of the answers' perplexity) from per-example rows (correct, tokens, summed NLL).
+
+    Written here: `evaluate`'s perplexity module loads a model by its Hub id itself; these are the same token
+    sums over the PEFT model in memory, in one pass with the training's answer-only labels."""
+    stats = np.asarray(stats, dtype=np.float64).reshape(-1, 3)
+    tokens = stats[:, 1].sum()
+    if tokens <= 0:
+        raise ConfigError("free-text scoring: no reference answer tokens to score (every answer was cut away)")
+    return {"token_accuracy": float(stats[:, 0].sum() / tokens), "answer_loss": float(stats[:, 2].sum() / tokens)}
 
 
 @cache

@@ -15,6 +15,11 @@ tokens only and scored as lm-evaluation-harness scores multiple-choice tasks.
   cannot continue a cache (a linearized model, prompt or prefix tuning) scores each prompt + choice
   sequence whole, which gives the same numbers. `generate_answers` is greedy generation, for exact
   match.
+- **Free-text tasks** (prompt/response rows, `Task.free_text`): the prompt is the instruction, if any, and
+  the input; the answer is the response's tokens and the end-of-turn token, trained with the same
+  answer-only loss. They are scored on the reference answers, teacher-forced, in one forward pass:
+  each example's correct greedy tokens, answer tokens and summed negative log-likelihood
+  (`answer_statistics`, `hf_fedtask.metrics.free_text_scores`).
 
 Written here because neither transformers nor peft has a multiple-choice scorer for a PEFT model in
 memory (lm-evaluation-harness does, for whole models behind its own model classes).
@@ -42,9 +47,12 @@ def label_words(label_names: Sequence[str]) -> list[str]:
 
 def user_message(instruction: str, words: Sequence[str], text: str) -> str:
     """The user turn of one example: the task's instruction and its answer words, then the input. A
-    task without an instruction (a prompt/answer dataset) sends its input alone."""
+    task without an instruction (a prompt/answer dataset) sends its input alone; a free-text task (no
+    words) its instruction and the input."""
     if not instruction:
         return text
+    if not words:
+        return f"{instruction}\n\n{text}"
     return f"{instruction}\n{CHOICES_LINE.format(words=', '.join(words))}\n\n{text}"
 
 
@@ -89,7 +97,7 @@ class InstructionInputs:
         self.processor = processor
         self.max_length = max_length
         self.collator = AnswerOnlyCollator(processor.pad_token_id)
-        self.eval_collator = PromptCollator(processor.pad_token_id)
+        self.eval_collator = ScoringCollator(processor.pad_token_id)
         self.answer_end = end_of_turn(processor)
 
     @classmethod
@@ -107,6 +115,9 @@ class InstructionInputs:
     def check_room(self, task) -> None:
         """Refuse a `max_length` that leaves a task's inputs no room (a ConfigError naming the room needed),
         before anything is prepared or written."""
+        if task.free_text:
+            self.encode_free_text(task.instruction, ["x" * 8], ["y"])
+            return
         words = label_words(task.label_names)
         self.encode(task.instruction, words, ["x" * 8] * len(words), list(range(len(words))))
 
@@ -116,26 +127,52 @@ class InstructionInputs:
         out = {"input_ids": [], "prompt_length": []}
         ends = [self._ids(word + self.answer_end) for word in words]
         for text, answer in zip(texts, answers, strict=True):
-            prompt = self._ids(render_prompt(self.processor, instruction, words, text))
-            room = self.max_length - len(ends[answer])
-            if len(prompt) > room:
-                text_ids = self._ids(text)
-                cut = len(text_ids) - (len(prompt) - room)
-                if cut < 1:
-                    fixed = len(prompt) - len(text_ids) + len(ends[answer])
-                    raise ConfigError(f"max_length {self.max_length} leaves no room for the input after the prompt "
-                                      f"template, instruction and answer ({fixed} tokens); raise max_length "
-                                      f"(e.g. --max-length {32 * (fixed // 32 + 2)})")
-                prompt = self._ids(render_prompt(self.processor, instruction, words,
-                                                 self.processor.decode(text_ids[:cut])))[:room]
+            prompt = self._fitted_prompt(instruction, words, text, self.max_length - len(ends[answer]))
             out["input_ids"].append(prompt + ends[answer])
             out["prompt_length"].append(len(prompt))
         return out
 
+    def _fitted_prompt(self, instruction: str, words: Sequence[str], text: str, room: int) -> list[int]:
+        """The prompt's token ids within `room` tokens: the input cut (its tokens, never the instruction or
+        the template) until it fits; a ConfigError naming the room needed where even no input does not."""
+        prompt = self._ids(render_prompt(self.processor, instruction, words, text))
+        if len(prompt) <= room:
+            return prompt
+        text_ids = self._ids(text)
+        cut = len(text_ids) - (len(prompt) - room)
+        if cut < 1:
+            fixed = len(prompt) - len(text_ids) + self.max_length - room
+            raise ConfigError(f"max_length {self.max_length} leaves no room for the input after the prompt "
+                              f"template, instruction and answer ({fixed} tokens); raise max_length "
+                              f"(e.g. --max-length {32 * (fixed // 32 + 2)})")
+        cut_text = self.processor.decode(text_ids[:cut])
+        return self._ids(render_prompt(self.processor, instruction, words, cut_text))[:room]
+
+    def encode_free_text(self, instruction: str, texts: Sequence[str], answers: Sequence[str]) -> dict:
+        """Token ids of prompt + free-text answer + end of turn for each example, at most `max_length`: an
+        example too long keeps its prompt whole when that leaves the answer half the room (else the input is
+        cut to half the room), and its answer is cut at `max_length` (losing the end of turn)."""
+        out = {"input_ids": [], "prompt_length": [], "answer_length": []}
+        for text, answer in zip(texts, answers, strict=True):
+            reply = self._ids(str(answer) + self.answer_end)
+            prompt = self._fitted_prompt(instruction, (), text, max(self.max_length - len(reply),
+                                                                     self.max_length // 2))
+            reply = reply[:self.max_length - len(prompt)]
+            out["input_ids"].append(prompt + reply)
+            out["prompt_length"].append(len(prompt))
+            out["answer_length"].append(len(reply))
+        return out
+
     def prepare(self, dataset: Dataset, task) -> Dataset:
-        """Model inputs, `prompt_length`, `choice_ids` and `labels`, computed once by an in-memory map."""
+        """Model inputs, `prompt_length`, `choice_ids` and `labels` (a free-text task: `answer_length`
+        instead of the last two), computed once by an in-memory map."""
         from hf_fedtask.data.task import prepared
 
+        if task.free_text:
+            instruction, text_column, label_column = task.instruction, task.text_column, task.label_column
+            return prepared(dataset, lambda b: self.encode_free_text(instruction, b[text_column], b[label_column]),
+                            f"{self.processor.name_or_path}|{len(self.processor)}|{self.max_length}|free_text|"
+                            f"{instruction}|{text_column}|{label_column}")
         words = label_words(task.label_names)
         choices = self.choice_ids(words)
         instruction, text_column, label_column = task.instruction, task.text_column, task.label_column
@@ -155,7 +192,10 @@ class InstructionInputs:
         return self.eval_collator([{"input_ids": p, "prompt_length": len(p)} for p in prompts])
 
     def predict_batch(self, model, batch: dict) -> torch.Tensor:
-        """Each example's label: the choice of highest log-likelihood (`choice_loglikelihoods`)."""
+        """Each example's label: the choice of highest log-likelihood (`choice_loglikelihoods`); for a
+        free-text task's batch, each example's answer statistics (`answer_statistics`)."""
+        if "choice_ids" not in batch:
+            return answer_statistics(model, batch)
         return choice_loglikelihoods(model, batch).argmax(-1)
 
 
@@ -201,6 +241,36 @@ class PromptCollator:
         if "labels" in features[0]:
             batch["labels"] = torch.tensor([f["labels"] for f in features])
         return batch
+
+
+class ScoringCollator:
+    """Scoring batches: a classification task's prompts (`PromptCollator`), or, for a free-text task's rows
+    (they carry `answer_length`), whole prompt + answer sequences with answer-only labels
+    (`AnswerOnlyCollator`), scored teacher-forced."""
+
+    def __init__(self, pad_token_id: int):
+        self.prompts = PromptCollator(pad_token_id)
+        self.answers = AnswerOnlyCollator(pad_token_id)
+
+    def __call__(self, features: list[dict]) -> dict:
+        return (self.answers if "answer_length" in features[0] else self.prompts)(features)
+
+
+def answer_statistics(model, batch: dict) -> torch.Tensor:
+    """(batch, 3) float rows for teacher-forced reference answers (`AnswerOnlyCollator` batches): the answer
+    tokens that are the model's greedy next token, the answer tokens, and their summed negative
+    log-likelihood (`hf_fedtask.metrics.free_text_scores` turns them into the metrics)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        targets = batch["labels"][:, 1:].to(logits.device)
+        scored = targets != IGNORE_INDEX
+        safe = targets.clamp(min=0)
+        # a row at a time: a float32 log-softmax over (positions, vocabulary), not over the whole batch at once
+        nll = -torch.stack([_token_logprobs(logits[i], safe[i]) for i in range(len(logits))]) * scored
+        correct = (logits.argmax(-1) == safe) & scored
+    return torch.stack([correct.sum(-1).float(), scored.sum(-1).float(), nll.sum(-1).float()], dim=-1)
 
 
 def _can_continue_cache(model) -> bool:
