@@ -183,3 +183,21 @@ def test_what_needs_labels_is_refused_for_free_text_in_one_line(free_dir, tiny_b
                                           "model .* is a classifier"):
         run(make_config(tiny_bert_dir, [str(free_dir)], tmp_path / "cls", num_clients=2))
     assert not any((tmp_path / name).exists() for name in ("gen", "bd", "cls"))
+
+
+@pytest.mark.parametrize("strategy,options,overrides", [
+    ("matu", {"kappa": 1}, {"zeta": 0.5, "num_clients": 4}),  # masks, rescalers and the compact export
+    ("fedper", {}, {}),  # evaluated on its clients: their answer statistics cross the wire
+])
+def test_other_strategies_score_and_export_a_free_text_task(strategy, options, overrides, free_dir, tmp_path):
+    from hf_fedtask.export.compact import load_task_adapter
+
+    values = dict(base_model=TINY_LLAMA, base_model_id=None, max_length=256, num_clients=2, local_steps=2,
+                  strategy=strategy, strategy_options=options, export=True)
+    results = run(make_config(None, [str(free_dir)], tmp_path / "run", **{**values, **overrides}))
+    r = results["tasks"]["describe"]
+    assert 0 <= r["token_accuracy"] <= 1 and r["answer_loss"] > 0 and r["chance"] is None
+    if strategy == "matu":
+        assert r["token_accuracy_compact"] == pytest.approx(r["token_accuracy"], abs=1e-6)
+        model = load_task_adapter(tmp_path / "run" / "compact", "describe")
+        assert type(model).__name__ == "PeftModelForCausalLM"

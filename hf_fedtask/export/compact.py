@@ -177,8 +177,9 @@ def _check_arguments(tasks, init, unified, masks, rescalers, heads, label_names,
     if head_rows is not None:
         return _check_shared_head(tasks, init, heads, label_names, head_rows, head_keys)
     head_keys = list(heads[tasks[0]])
-    if not any(heads[t] for t in tasks) and all(label_names.get(t) for t in tasks):
-        return {t: len(label_names[t]) for t in tasks}  # no heads: a causal LM answers in its label words
+    if not any(heads[t] for t in tasks) and all(label_names.get(t) is not None for t in tasks):
+        # no heads: a causal LM answers in its label words (none: a free-text task)
+        return {t: len(label_names[t]) for t in tasks}
     if not head_keys or set(head_keys) & set(init):
         raise ValueError("heads must be non-empty and disjoint from the shared keys")
     num_labels = {}
