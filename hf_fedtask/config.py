@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from hf_fedtask.client.round_schedule import ROUND_SCHEDULES
 from hf_fedtask.core.fields import allowed_values, check_fields, field_type, option
 from hf_fedtask.core.names import BAD_UPLOADS, MIXED_PRECISIONS, OUTPUT_SPACES, PARTITIONS
 from hf_fedtask.data.builtin_tasks import SUITES
@@ -150,7 +151,15 @@ class RunConfig:
     local_steps: int = option(-1, "optimizer steps per task per round; > 0 overrides --local-epochs "
                               "(TrainingArguments' max_steps)", minimum=-1)
     batch_size: int = option(32, "local training batch size", minimum=1)
-    learning_rate: float = option(5e-3, "local learning rate", minimum=0.0)
+    learning_rate: float = option(5e-3, "local learning rate (with --lr-round-schedule cosine: the maximum, "
+                                  "annealed round by round)", minimum=0.0)
+    lr_round_schedule: str = option("constant", "the clients' learning rate round by round: constant "
+                                    "(--learning-rate every round) | cosine (round r of R starts at "
+                                    "min + (max - min)(1 + cos(pi r / R)) / 2, max --learning-rate, min "
+                                    "--learning-rate-min, as FlowerTune LLM's cosine_annealing; such a run resumes "
+                                    "only with its --rounds)", choices=ROUND_SCHEDULES)
+    learning_rate_min: float = option(0.0, "with --lr-round-schedule cosine: the last round's learning rate",
+                                      minimum=0.0)
     lr_scheduler: str = option("linear", "local learning-rate schedule, restarted every round (TrainingArguments' "
                                "lr_scheduler_type)", choices=LR_SCHEDULERS)
     warmup_steps: int = option(0, "local warmup steps of the schedule", minimum=0)
@@ -204,6 +213,12 @@ class RunConfig:
         if self.client_loop == "lean" and self.mixed_precision == "fp16":
             raise ConfigError("config: client_loop: lean does not reproduce fp16's gradient scaler: use trainer or "
                               "auto (which trains fp16 runs with the Trainer)")
+        if self.lr_round_schedule == "constant" and self.learning_rate_min != 0.0:
+            raise ConfigError(f"config: learning_rate_min: {self.learning_rate_min} has no effect with "
+                              "lr_round_schedule constant; set lr_round_schedule: cosine or leave it out")
+        if self.learning_rate_min > self.learning_rate:
+            raise ConfigError(f"config: learning_rate_min: {self.learning_rate_min} is above learning_rate "
+                              f"{self.learning_rate} (the cosine anneals from learning_rate down to it)")
         if self.load_in_4bit and self.load_in_8bit:
             raise ConfigError("config: load_in_4bit and load_in_8bit exclude each other: choose one")
         self._check_clients()

@@ -37,8 +37,9 @@ What is not FlowerTune's, and so what is comparable (the recipe prints it after 
   answer in free text, trained on the whole response (as the template's completion-only SFT) and scored on the
   held-out rows' reference responses by token accuracy and answer loss, beside the base model's;
 - the prompt goes through the tokenizer's chat template, not the template's Alpaca prompt;
-- the per-round learning rate is constant at `learning_rate` (the template's maximum): its cosine annealing from
-  5e-5 to 1e-6 over the rounds is not a RunConfig setting;
+- the round's learning rate is the template's `cosine_annealing` from `learning_rate` (5e-5) to
+  `learning_rate_min` (1e-6) over the rounds (`lr_round_schedule: cosine`), as in FlowerTune (so a 1-round smoke
+  run trains at the minimum: give `--lr-round-schedule constant` there);
 - `load_in_4bit` is NF4 with double quantization (the template's `BitsAndBytesConfig(load_in_4bit=True)` is FP4);
 - accuracy on the held-out rows is not a leaderboard score: that is FlowerTune's `eval.py` on the exported
   adapter (`<output_dir>/adapters/<task>/`, its `--peft-path`), with the command the recipe prints.

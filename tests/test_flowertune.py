@@ -48,6 +48,8 @@ def test_each_preset_is_the_template_apps_protocol(challenge):
     assert (config.base_model, config.learning_rate, config.comm_budget_mb) == ("mistralai/Mistral-7B-v0.3", 5e-5,
                                                                                 200_000)
     assert (config.zeta, config.partition) == (0.0, "iid")  # every client holds the dataset, in equal IID parts
+    # client_app.py: each round's rate is cosine_annealing(round, rounds, learning-rate-max, learning-rate-min)
+    assert (config.lr_round_schedule, config.learning_rate_min, config.lr_scheduler) == ("cosine", 1e-6, "constant")
     # the clients a round: the server's ⌈ξ·N⌉ equals Flower FedAvg's max(int(N·fraction), min_train_nodes=2)
     assert max(1, math.ceil(config.participation * clients - 1e-9)) == max(int(clients * fraction), 2)
 

@@ -113,20 +113,25 @@ class PreparedData:
 
 class LeanLoop:
     """Local training with the Trainer's arithmetic. `training_args` is the `TrainingArguments` a Trainer
-    would get, built once (each `fit` takes its own seed); `fit`'s objectives change the loss as
-    `_ObjectiveTrainer.compute_loss` does on the Trainer path."""
+    would get, built once (each `fit` takes its own seed) and replaced by `retarget` when a round's recipe
+    differs; `fit`'s objectives change the loss as `_ObjectiveTrainer.compute_loss` does on the Trainer path."""
 
     def __init__(self, training_args, collator: Callable, group_by_length: bool,
                  data_budget_bytes: int = 2 << 30):
-        from transformers import Trainer
-
-        self.targs = training_args
         self.collator = collator
         self.group_by_length = group_by_length
         self.budget = data_budget_bytes
-        self.optimizer_cls, self.optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
+        self.retarget(training_args)
         self._prepared: OrderedDict[tuple, PreparedData] = OrderedDict()
         self._decay_names: dict[int, set[str]] = {}
+
+    def retarget(self, training_args) -> None:
+        """Train with other `TrainingArguments` from now on (a round's learning rate: `LocalTrainer.at_round`);
+        the prepared data are kept."""
+        from transformers import Trainer
+
+        self.targs = training_args
+        self.optimizer_cls, self.optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
 
     # -- data -------------------------------------------------------------------------------------------
     def prepared(self, data: Dataset, device: torch.device) -> PreparedData:

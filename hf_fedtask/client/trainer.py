@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -17,6 +18,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from hf_fedtask.client.batched import BatchedLoop, NotBatchable
 from hf_fedtask.client.lean import LeanLoop, lean_unsupported
 from hf_fedtask.client.objectives import Objective
+from hf_fedtask.client.round_schedule import round_learning_rate
 from hf_fedtask.core.taskvector import TaskVector
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.device import hide_launch_from_trainers
@@ -31,7 +33,9 @@ class LocalTrainingArgs:
     local_epochs: float
     local_steps: int  # > 0 overrides local_epochs: a fixed number of optimizer steps per task per round
     batch_size: int
-    learning_rate: float
+    learning_rate: float  # with lr_round_schedule cosine: the maximum, which `for_round` anneals
+    lr_round_schedule: str  # constant | cosine (hf_fedtask.client.round_schedule)
+    learning_rate_min: float  # cosine's last-round rate
     lr_scheduler: str
     warmup_steps: int
     weight_decay: float
@@ -47,6 +51,12 @@ class LocalTrainingArgs:
         """The recipe of `config`'s local-training settings; `config` is a `hf_fedtask.config.RunConfig`
         (read by field name: the client layer does not import the config layer above it)."""
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+    def for_round(self, round_: int, rounds: int) -> LocalTrainingArgs:
+        """The recipe of round `round_` (1-based) of a `rounds`-round run: its learning rate the round schedule's
+        (`lr_round_schedule`); this recipe itself where the schedule is constant."""
+        rate = round_learning_rate(self.lr_round_schedule, round_, rounds, self.learning_rate, self.learning_rate_min)
+        return self if rate == self.learning_rate else dataclasses.replace(self, learning_rate=rate)
 
 
 @dataclass
@@ -138,11 +148,14 @@ class LocalTrainer:
     depends only on (state, data, seed) — the property that makes resumed runs bit-identical.
 
     The loop is a `transformers.Trainer` per call, or (`client_loop` lean, or auto where it applies) the
-    `LeanLoop`, which takes the same optimizer steps without the Trainer's per-call setup."""
+    `LeanLoop`, which takes the same optimizer steps without the Trainer's per-call setup.
+
+    `args` is the run's recipe; inside `at_round(r, rounds)` every loop trains with round r's (`for_round`)."""
 
     def __init__(self, host: PeftHost, args: LocalTrainingArgs):
         self.host = host
         self.args = args
+        self.current = args  # the recipe the loops train with: `args`, or a round's inside `at_round`
         self.collator = host.inputs.collator  # pads token ids, stacks pixel_values
         # a launcher's rank variables (even torchrun's for one process) would put each Trainer into a DDP
         # group with a distributed sampler; the federation owns the ranks (hf_fedtask.engine.ranks)
@@ -160,6 +173,23 @@ class LocalTrainer:
         # input preparer and data live as long as the run, so move them out of the collector's scans once.
         gc.collect()
         gc.freeze()
+
+    @contextmanager
+    def at_round(self, round_: int, rounds: int) -> Iterator[LocalTrainer]:
+        """Train with round `round_`'s recipe (`LocalTrainingArgs.for_round`: its learning rate) inside the block,
+        on every loop (Trainer, lean, batched); the run's recipe again after it."""
+        self._use(self.args.for_round(round_, rounds))
+        try:
+            yield self
+        finally:
+            self._use(self.args)
+
+    def _use(self, args: LocalTrainingArgs) -> None:
+        if args == self.current:  # a constant schedule: nothing rebuilt, the loops exactly as before
+            return
+        self.current = args
+        if self.lean is not None:  # the batched loop reads the lean loop's arguments
+            self.lean.retarget(self._training_args(seed=0))
 
     @property
     def loop(self) -> str:
@@ -214,7 +244,7 @@ class LocalTrainer:
             return self.host.state(), metrics
 
     def _training_args(self, seed: int) -> _HostDeviceArguments:
-        a = self.args
+        a = self.current
         device = self.host.device
         return _HostDeviceArguments(  # the one place hf_fedtask's setting names become transformers'
             output_dir=self._scratch.name,

@@ -4,7 +4,8 @@ answering train / query / evaluate instructions with safetensors bytes.
 The in-process engine calls it directly; a Flower ClientApp calls it inside a SuperNode with the
 client's private store kept in the node's state. A train update passes through the upload steps
 (`upload_steps`: client-level DP, then secure aggregation's masking) here, on the client, so the server only
-ever holds clipped (and, under secure aggregation, masked) uploads.
+ever holds clipped (and, under secure aggregation, masked) uploads. Whatever the engine, the instruction's round
+sets the round's local-training recipe (`LocalTrainer.at_round`: `lr_round_schedule`) here.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ class ClientRuntime:
         env, strategy = self.env, self.env.strategy
         downlink, job = self._job(ins, store)
         if ins.kind == TRAIN:
-            return self.upload(ins, job, strategy.client_update(downlink, job, env.trainer))
+            with env.trainer.at_round(ins.round, env.config.rounds) as trainer:
+                update = strategy.client_update(downlink, job, trainer)
+            return self.upload(ins, job, update)
         if ins.kind == QUERY:
-            return strategy.client_query(downlink, job, env.trainer).to_bytes(**env.header())
+            with env.trainer.at_round(ins.round, env.config.rounds) as trainer:
+                return strategy.client_query(downlink, job, trainer).to_bytes(**env.header())
         if ins.kind == EVALUATE:
             metrics = {task: self._evaluate(strategy.client_task_parameters(downlink, job, task), task)
                        for task in ins.config["tasks"]}
@@ -106,8 +110,12 @@ def train_replies(runtimes: list[ClientRuntime], instructions: list[Instruction]
         if ins.client_id != runtime.client_id or ins.kind != TRAIN:
             raise ProtocolError(f"client {runtime.client_id} received a {ins.kind} instruction for client "
                                 f"{ins.client_id} among a round's train instructions")
+        if ins.round != instructions[0].round:
+            raise ProtocolError(f"client {ins.client_id} received an instruction of round {ins.round} among round "
+                                f"{instructions[0].round}'s train instructions")
     env = runtimes[0].env
     downlinks, jobs = zip(*(rt._job(ins, store) for rt, ins, store in zip(runtimes, instructions, stores)))
-    updates = env.strategy.client_updates(list(downlinks), list(jobs), env.trainer)
+    with env.trainer.at_round(instructions[0].round, env.config.rounds) as trainer:
+        updates = env.strategy.client_updates(list(downlinks), list(jobs), trainer)
     return {ins.client_id: rt.upload(ins, job, update)
             for rt, ins, job, update in zip(runtimes, instructions, jobs, updates)}

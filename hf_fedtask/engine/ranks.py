@@ -205,7 +205,7 @@ class RankTransport(InProcessTransport):
 
     def _send(self, rank: int, seq: int, header: dict, blobs: list[bytes] = ()) -> None:
         _put(self.store, f"hf_fedtask/{self.session}/{seq}/to/{rank}", _frame(
-            {**header, "fingerprint": self.env.config.fingerprint()}, list(blobs)))
+            {**header, "fingerprint": self.env.config.fingerprint(), "rounds": self.env.config.rounds}, list(blobs)))
 
     def _receive(self, rank: int, seq: int) -> tuple[dict, list[bytes]]:
         return _unframe(_take(self.store, f"hf_fedtask/{self.session}/{seq}/from/{rank}"))
@@ -277,7 +277,8 @@ def release_ranks(config, error: BaseException) -> None:
     store, session = rank_store(), next(_sessions)
     for rank in range(1, here.world_size):
         _put(store, f"hf_fedtask/{session}/0/to/{rank}", _frame({"op": "end", "results": None, **_error(error),
-                                                               "fingerprint": config.fingerprint()}))
+                                                               "fingerprint": config.fingerprint(),
+                                                               "rounds": config.rounds}))
     _await_acks(store, session, 0, range(1, here.world_size))
 
 
@@ -289,7 +290,8 @@ def serve(config) -> dict:
     hosted = ClientSecrets()  # of the clients this rank is sent, for the run
     for seq in count():
         header, blobs = _unframe(_take(store, f"hf_fedtask/{session}/{seq}/to/{here.rank}"))
-        if header["fingerprint"] != config.fingerprint():
+        # `rounds` too: lr_round_schedule cosine anneals each round's learning rate over them
+        if header["fingerprint"] != config.fingerprint() or header["rounds"] != config.rounds:
             raise ProtocolError(f"rank {here.rank} was started with another config than rank 0: every rank must run "
                                 "the same command")
         if header["op"] == "end":

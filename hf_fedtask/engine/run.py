@@ -138,6 +138,7 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
     state, history, stores = env.initial_state(), [], {}
     if resume and (run_dir / CHECKPOINT_FILE).exists():  # validated before anything is written
         state, history, stores = restore(env, run_dir, config.fingerprint())
+        check_round_schedule(server, history, state.round, load_run_config(run_dir).rounds)
     elif warm_start is not None:
         state, history, stores = restore(env, warm_start, load_run_config(warm_start).fingerprint())
     # e.g. a resumed DP run's σ for its remaining rounds, or a refusal (DP, the communication budget): before anything
@@ -183,6 +184,25 @@ def _run_locked(env: Environment, server: Server, engine: Engine, *, resume, ove
         return results
     finally:
         transport.close()
+
+
+def check_round_schedule(server: Server, history: list[dict], finished: int, started_with: int) -> None:
+    """A resume may change `rounds` (RunConfig.RESUMABLE_CHANGES), but under lr_round_schedule cosine the rounds set
+    every round's learning rate: refuse a resume whose rounds would have trained the finished rounds (their rates
+    recorded in `history`) at other rates, unless it trains no further round (`rounds` at or below `finished`, e.g.
+    to end a run its communication budget stopped)."""
+    config = server.config
+    if config.rounds <= finished:
+        return
+    for record in history:
+        rate = record.get("learning_rate")
+        if rate is not None and rate != server.learning_rate(record["round"]):
+            raise ConfigError(
+                f"rounds: {config.rounds} differs from the {started_with} this run was started with, and "
+                f"lr_round_schedule cosine anneals the learning rate over the rounds (round {record['round']} trained "
+                f"at {rate:.6g}, with rounds {config.rounds} it would have at "
+                f"{server.learning_rate(record['round']):.6g}): resume with --rounds {started_with}, or with --rounds "
+                f"{finished} to end the run here")
 
 
 def finish_run(env: Environment, state: GlobalState, results: dict, history: list[dict], run_dir: Path,
@@ -233,6 +253,8 @@ class _Tracker:
             values["mean_metric"] = record["mean_metric"]
         if record["train_loss"] is not None:
             values["train_loss"] = record["train_loss"]
+        if "learning_rate" in record:
+            values["learning_rate"] = record["learning_rate"]
         for task, ev in record.get("eval", {}).items():
             values.update({f"eval/{task}/{k}": v for k, v in ev.items() if k != "num_examples"})
         self.accelerator.log(values, step=record["round"])

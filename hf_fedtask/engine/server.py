@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_fedtask.client.evaluation import generation_exact_match, predict, score
+from hf_fedtask.client.trainer import LocalTrainingArgs
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.core.progress import progress_bar
 from hf_fedtask.core.state import GlobalState
@@ -116,8 +117,16 @@ class Server:
             if t.modality != env.host.inputs.modality:
                 raise ConfigError(f"task {t.name!r} has {t.modality} inputs but base model {env.host.base.model_id} "
                                   f"takes {env.host.inputs.modality}")
+            if t.free_text and not env.host.causal_lm:
+                raise ConfigError(f"task {t.name!r} answers in free text, which a causal LM writes; base model "
+                                  f"{env.host.base.model_id} is a classifier")
             if env.host.causal_lm:
                 env.host.inputs.check_room(t)
+        free_text = [t.name for t in env.tasks if t.free_text]
+        if self.config.generation_eval and free_text:
+            raise ConfigError(f"generation_eval: exact match scores answers against label words; task "
+                              f"{free_text[0]!r} answers in free text (scored by token_accuracy on its reference "
+                              "answers)")
         if self.config.generation_eval and not env.host.causal_lm:
             raise ConfigError(f"generation_eval: base model {env.host.base.model_id} is a classifier; greedy answers "
                               "are scored for a causal LM only")
@@ -236,6 +245,8 @@ class Server:
             "clients": received,
             **({"failed_clients": {str(c): why for c, why in failed.items()}} if failed else {}),
             "train_loss": float(np.mean(losses)) if losses else None,
+            # the rate the clients' local training started the round at (`lr_round_schedule`), as they compute it
+            **({"learning_rate": self.learning_rate(round_)} if kind == TRAIN else {}),
             **(self._scores(evals) if evals is not None else {}),
             **({"forgotten_tasks": forget} if forget else {}),
             **({"forgotten_clients": self.forgotten_clients} if self.forgotten_clients else {}),
@@ -248,6 +259,10 @@ class Server:
             "seconds": round(time.perf_counter() - start, 3),
         }
         return record
+
+    def learning_rate(self, round_: int) -> float:
+        """The clients' learning rate in round `round_` (`LocalTrainingArgs.for_round`, as they train)."""
+        return LocalTrainingArgs.from_run(self.config).for_round(round_, self.config.rounds).learning_rate
 
     def _scores(self, evals: dict[str, dict]) -> dict:
         """The evaluation part of a round record."""
@@ -368,6 +383,8 @@ class Server:
                 raise FedTaskError(f"evaluation of {t.name!r}: none of its holders replied ({_failures(holders)})")
             out[t.name] = {t.metric: float(np.mean(values)), "num_examples": per_task[t.name][0]["num_examples"],
                            "clients": len(values)}
+            if t.free_text and all("answer_loss" in m for m in per_task[t.name]):  # reported beside the metric
+                out[t.name]["answer_loss"] = float(np.mean([m["answer_loss"] for m in per_task[t.name]]))
         return out
 
 

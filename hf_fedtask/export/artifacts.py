@@ -335,6 +335,7 @@ def _training_hparams(spec: RunExport) -> dict:
     c = spec.config
     keys = ("peft_method", "lora_r", "lora_alpha", "local_epochs", "local_steps", "batch_size", "learning_rate",
             "lr_scheduler", "zeta", "partition", "seed")
-    return {k: getattr(c, k) for k in keys}
+    annealed = ("lr_round_schedule", "learning_rate_min") if c.lr_round_schedule != "constant" else ()
+    return {k: getattr(c, k) for k in (*keys[:7], *annealed, *keys[7:])}
 
 

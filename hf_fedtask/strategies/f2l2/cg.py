@@ -16,8 +16,9 @@ from hf_fedtask.strategies.base import AggregatedState, GlobalState, task_point,
 from hf_fedtask.strategies.f2l2.protocol import CG_DIRECTION, CG_RESIDUAL, CG_START, GRADIENTS, LINEAR, PRODUCT
 
 CG_TOLERANCE = 1e-6  # stop (a zero direction, no pass over the data) at ‖r‖ ≤ this × ‖r₀‖, float32's floor
-LOCAL_TRAINING = ("local_epochs", "local_steps", "learning_rate", "optimizer", "lr_scheduler", "warmup_steps",
-                  "weight_decay")  # what linear_solver cg does not use (pretraining sets its own; it keeps batch_size)
+# what linear_solver cg does not use (pretraining sets its own; it keeps batch_size)
+LOCAL_TRAINING = ("local_epochs", "local_steps", "learning_rate", "lr_round_schedule", "optimizer", "lr_scheduler",
+                  "warmup_steps", "weight_decay")
 
 
 class FederatedCG:
