@@ -31,7 +31,7 @@ import yaml
 
 from hf_fedtask.client.round_schedule import ROUND_SCHEDULES
 from hf_fedtask.core.fields import allowed_values, check_fields, field_type, option
-from hf_fedtask.core.names import BAD_UPLOADS, MIXED_PRECISIONS, OUTPUT_SPACES, PARTITIONS
+from hf_fedtask.core.names import BAD_UPLOADS, BNB_4BIT_QUANT_TYPES, MIXED_PRECISIONS, OUTPUT_SPACES, PARTITIONS
 from hf_fedtask.data.builtin_tasks import SUITES
 from hf_fedtask.errors import ConfigError
 from hf_fedtask.model.backbone import DEFAULT_BASE_MODEL, PEFT_METHODS
@@ -80,6 +80,10 @@ class RunConfig:
                                 "(LoRA methods, CUDA); exports stay adapters over the unquantized base id")
     load_in_8bit: bool = option(False, "load the base model's linear layers in 8-bit through bitsandbytes "
                                 "(LoRA methods, CUDA); exports stay adapters over the unquantized base id")
+    bnb_4bit_quant_type: str = option("nf4", "with --load-in-4bit: bitsandbytes' 4-bit data type, nf4 (QLoRA's) or "
+                                      "fp4 (BitsAndBytesConfig's default)", choices=BNB_4BIT_QUANT_TYPES)
+    bnb_4bit_use_double_quant: bool = option(True, "with --load-in-4bit: quantize the quantization constants too "
+                                             "(QLoRA's double quantization; off in BitsAndBytesConfig's default)")
     # where it runs
     device: str = option("auto", "where the host model runs: auto (Accelerate's choice; under a multi-process launch "
                          "this rank's GPU, else the CPU) | cpu | cuda | cuda:N")
@@ -221,6 +225,10 @@ class RunConfig:
                               f"{self.learning_rate} (the cosine anneals from learning_rate down to it)")
         if self.load_in_4bit and self.load_in_8bit:
             raise ConfigError("config: load_in_4bit and load_in_8bit exclude each other: choose one")
+        for key, default in (("bnb_4bit_quant_type", "nf4"), ("bnb_4bit_use_double_quant", True)):
+            if not self.load_in_4bit and getattr(self, key) != default:
+                raise ConfigError(f"config: {key}: {getattr(self, key)!r} has no effect without load_in_4bit; set "
+                                  "load_in_4bit: true or leave it out")
         self._check_clients()
         typed = self.strategy_config  # validates the strategy and its options
         self.strategy_options = {k: getattr(typed, k) for k in self.strategy_options}  # as given, typed

@@ -40,7 +40,6 @@ What is not FlowerTune's, and so what is comparable (the recipe prints it after 
 - the round's learning rate is the template's `cosine_annealing` from `learning_rate` (5e-5) to
   `learning_rate_min` (1e-6) over the rounds (`lr_round_schedule: cosine`), as in FlowerTune (so a 1-round smoke
   run trains at the minimum: give `--lr-round-schedule constant` there);
-- `load_in_4bit` is NF4 with double quantization (the template's `BitsAndBytesConfig(load_in_4bit=True)` is FP4);
 - accuracy on the held-out rows is not a leaderboard score: that is FlowerTune's `eval.py` on the exported
   adapter (`<output_dir>/adapters/<task>/`, its `--peft-path`), with the command the recipe prints.
 
@@ -119,6 +118,8 @@ def deviations(config: RunConfig, challenge: str, source: str) -> list[str]:
     # where and how the run is written and evaluated, and the seeds (FlowerTune fixes none): not the protocol
     ignored = (set(RunConfig.RESUMABLE_CHANGES) - {"rounds"}) | {"tasks", "suite", "comm_budget_mb", "seed",
                                                                  "training_seed", "max_test_samples"}
+    if not config.load_in_4bit:  # the 4-bit data type is moot without 4 bits (load_in_4bit is the deviation)
+        ignored |= {"bnb_4bit_quant_type", "bnb_4bit_use_double_quant"}
     mine, theirs = config.flat(), preset.flat()
     out = [f"{k}: {mine[k]!r} (FlowerTune: {theirs[k]!r})" for k in sorted(mine)
            if k not in ignored and mine[k] != theirs.get(k)]
@@ -313,7 +314,11 @@ def main(argv=None) -> int:
     try:
         if args.holdout < 1:
             raise ConfigError(f"--holdout must be at least 1, got {args.holdout}")
-        config = recipe_config(args, load_yaml(preset_path(args.challenge)), {}, ranks=True)
+        preset = load_yaml(preset_path(args.challenge))
+        if args.load_in_4bit is False:  # a full-precision base: no 4-bit data type to choose
+            for key in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant"):
+                preset.pop(key, None)
+        config = recipe_config(args, preset, {}, ranks=True)
         if not config.tasks or len(config.tasks) != 1:
             raise ConfigError(f"--tasks: a FlowerTune challenge trains on its one dataset; give --data PATH to "
                               f"replace it, got {config.tasks}")

@@ -174,6 +174,32 @@ def test_quantized_bases_are_refused_where_they_cannot_run(tiny_bert_dir, tiny_t
     with pytest.raises(ConfigError, match=f"load_in_4bit: .*{missing}"):
         run(config)
     assert not (tmp_path / "q" / "run_config.yaml").exists()
+    with pytest.raises(ConfigError, match="bnb_4bit_quant_type: 'fp4' has no effect without load_in_4bit"):
+        _config(tiny_bert_dir, tiny_tasks_dir, tmp_path, bnb_4bit_quant_type="fp4")
+    with pytest.raises(ConfigError, match="bnb_4bit_use_double_quant: False has no effect without load_in_4bit"):
+        _config(tiny_bert_dir, tiny_tasks_dir, tmp_path, bnb_4bit_use_double_quant=False)
+
+
+def test_the_4bit_data_type_reaches_bitsandbytes_config(monkeypatch):
+    """QLoRA's NF4 with double quantization by default; FP4 without it (BitsAndBytesConfig's own defaults) on
+    request. Built, not loaded: on a machine with bitsandbytes and a CUDA device the config is what transformers
+    receives (device/gpu_check.py loads a 4-bit base there)."""
+    import importlib.util
+
+    from transformers import BitsAndBytesConfig
+
+    from hf_fedtask.model import quantization
+
+    monkeypatch.setattr(quantization.importlib.util, "find_spec",
+                        lambda name: object() if name == "bitsandbytes" else importlib.util.find_spec(name))
+    cuda = torch.device("cuda")
+    qlora = quantization.quantization_config(True, False, peft_method="lora", device=cuda)
+    assert (qlora.bnb_4bit_quant_type, qlora.bnb_4bit_use_double_quant) == ("nf4", True)
+    plain = quantization.quantization_config(True, False, peft_method="lora", device=cuda, quant_type="fp4",
+                                             double_quant=False)
+    default = BitsAndBytesConfig(load_in_4bit=True)  # FlowerTune's templates
+    assert (plain.bnb_4bit_quant_type, plain.bnb_4bit_use_double_quant) == (
+        default.bnb_4bit_quant_type, default.bnb_4bit_use_double_quant) == ("fp4", False)
 
 
 # -- clients over the ranks of a launch -------------------------------------------------------------

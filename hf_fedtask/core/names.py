@@ -7,6 +7,7 @@ PARTITIONS = ("iid", "dirichlet", "classes")  # hf_fedtask.data.partition
 PER_TASK, MAX, UNION = "per_task", "max", "union"
 OUTPUT_SPACES = (PER_TASK, MAX, UNION)  # hf_fedtask.model.output_space
 MIXED_PRECISIONS = ("no", "bf16", "fp16")  # Accelerate's names (hf_fedtask.model.device)
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")  # bitsandbytes 4-bit data types (BitsAndBytesConfig.bnb_4bit_quant_type)
 LINEARIZATIONS = ("network", "lora_layers")  # hf_fedtask.model.linearize.MODES
 RESCALERS = ("global_sum", "per_tensor_mean")  # hf_fedtask.merge.unify
 BAD_UPLOADS = ("drop", "stop")  # hf_fedtask.engine.trust: what a round does with a refused reply

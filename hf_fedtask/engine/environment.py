@@ -66,7 +66,9 @@ def build_host(config: RunConfig, shared_head: int = 0) -> PeftHost:
     )
     device = resolve_device(config.device)
     quantization = quantization_config(config.load_in_4bit, config.load_in_8bit, peft_method=config.peft_method,
-                                       device=device, mixed_precision=config.mixed_precision)
+                                       device=device, mixed_precision=config.mixed_precision,
+                                       quant_type=config.bnb_4bit_quant_type,
+                                       double_quant=config.bnb_4bit_use_double_quant)
     return PeftHost(base, peft_config, seed=config.seed, max_length=config.max_length, shared_head=shared_head,
                     device=device, mixed_precision=config.mixed_precision, quantization=quantization)
 
