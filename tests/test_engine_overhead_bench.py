@@ -17,6 +17,7 @@ pytest.importorskip("flwr")
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_overhead.py"
 
 
+@pytest.mark.slow  # a benchmark's smoke run, as the other MiniLM benchmarks' (tests/test_benchmarks_quick.py)
 def test_engine_overhead_quick_prints_the_grid_ratio(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
            "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}

@@ -211,6 +211,7 @@ def test_f2l2_recipe_table_decomposition_and_plot(tmp_path, capsys):
     assert "Hessian approximation" in (out / "f2l2_backdoor.md").read_text() and (out / "f2l2_backdoor.png").exists()
 
 
+@pytest.mark.slow  # the recipe's one-seed table is the default suite's (above); --seeds is llm_manytask's too
 def test_f2l2_recipe_over_seeds_tabulates_each_seed_and_their_mean(tmp_path, capsys):
     """--seeds: one protocol per seed in its own folder (its own partition and training), then each row's
     mean over the seeds and on how many it is within the goal, from the seeds' own tables; --seed with
