@@ -35,8 +35,9 @@ Sections (--sections picks some):
                peft.utils.merge_utils.ties / task_arithmetic and merge_bench's stacked unify there, and TIES'
                streaming torch path (the device's path before, one call); goal: peft's TIES time / ours
                ≥ 1. The device results against the CPU kernels on the same inputs at d=1M.
-  qlora        LoRA over a 4-bit and an 8-bit base (QLoRA, Dettmers et al., arXiv:2305.14314), 2 rounds; the
-               adapter must reload with stock PEFT over the unquantized base.
+  qlora        LoRA over a 4-bit (NF4 with double quantization, and FlowerTune's FP4 without) and an 8-bit base
+               (QLoRA, Dettmers et al., arXiv:2305.14314), 2 rounds; the adapter must reload with stock PEFT
+               over the unquantized base.
   pytest_cuda  pytest -m cuda on the test files holding cuda-marked tests.
   main_job     recipes/matu_30task.py in a fresh process with its settings (builtin-30, 30 clients, ζ=0.2,
                20% per round, eval every 4th round) for 4 of its 24 rounds (--main-rounds): wall time, peak
@@ -1210,10 +1211,18 @@ def qlora_unavailable(ctx: Context, cfg: dict) -> dict | None:
     return None
 
 
+# the quantized bases section_qlora runs: QLoRA's NF4 with double quantization, FlowerTune's templates' FP4
+# (BitsAndBytesConfig(load_in_4bit=True)'s defaults), and 8 bits
+QLORA_VARIANTS = {"load_in_4bit": {"load_in_4bit": True},
+                  "load_in_4bit_fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4",
+                                       "bnb_4bit_use_double_quant": False},
+                  "load_in_8bit": {"load_in_8bit": True}}
+
+
 def qlora_run(cfg: dict, label: str, out_dir: str, base: Path) -> dict:
-    """run_one with `label` (load_in_4bit or load_in_8bit) set, then its adapter reloaded on the CPU
+    """run_one with the quantization of `label` (QLORA_VARIANTS) set, then its adapter reloaded on the CPU
     with stock PEFT over the unquantized `base` (`reload`)."""
-    r = run_one({**cfg, label: True}, out_dir)
+    r = run_one({**cfg, **QLORA_VARIANTS[label]}, out_dir)
     r["reload"] = reload_adapter_on_cpu(r["dir"], base)
     return r
 
@@ -1225,8 +1234,7 @@ def section_qlora(ctx: Context) -> dict:
         return unavailable
     out, problems = {}, []
     base = Path(base_cfg["base_model"])
-    for bits in (4, 8):
-        label = f"load_in_{bits}bit"
+    for label in QLORA_VARIANTS:
         if ctx.time_left() < 5:
             out[label] = {"error": "skipped: out of time"}
             continue

@@ -138,3 +138,18 @@ def test_private_federation_reports_the_epsilon_spent(tmp_path):
     assert "sampling: 4 of 8 clients per round" in out
     card = (tmp_path / "runs" / "dp" / "adapters" / "vader_polarity" / "README.md").read_text(encoding="utf-8")
     assert "Differential privacy" in card
+
+
+def test_docstring_rows_are_free_text_rows_a_free_text_task_loads(tmp_path):
+    out = run_example("docstring_rows.py", "rows.jsonl", cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert out.startswith(f"{len(rows)} rows from 48 modules") and len(rows) > 1000
+    assert all(set(r) == {"instruction", "input", "output"} and len(r["output"].split()) >= 4 for r in rows)
+    assert len({r["instruction"] for r in rows}) == len(rows)  # one row per name
+    first = {r["instruction"]: r for r in rows}["What does `textwrap.dedent` in Python's standard library do?"]
+    assert first["input"] == "dedent(text)" and first["output"].startswith("Remove any common leading whitespace")
+    from hf_fedtask.data import load_task
+
+    task = load_task(str(tmp_path / "rows.jsonl"), text_column="instruction", answers="free_text")
+    assert task.free_text and task.label_column == "output"
+
