@@ -183,8 +183,9 @@ class RunConfig:
     # evaluating every test split is a large share of a round on a CPU (docs/results/matu.md: the main job);
     # eval_every changes no training result, so a run may resume with another k
     eval_every: int = option(1, "evaluate the test splits every k rounds and always after the last", minimum=1)
-    generation_eval: bool = option(False, "causal LM: also score each task's greedy answers by exact match with its "
-                                   "label word, once at the end (results.json's exact_match)")
+    generation_eval: bool = option(False, "causal LM: also score each task's greedy answers once at the end, by "
+                                   "exact match with its label word (results.json's exact_match) or, for a "
+                                   "free-text task, by ROUGE-L with its reference response (rougeL)")
     seed: int = option(0, "seed of the partition, the PEFT init, sampling and local training", minimum=0)
     training_seed: int | None = option(None, "seed of the clients' local training alone (batch order, dropout; "
                                        "default: `seed`): another value repeats a run on the same partition, "

@@ -1,8 +1,9 @@
 """Free-text tasks (instruction tuning on prompt/response rows) on the tiny random Llama: a string answer
 column loads as a free-text task, the response's tokens are the only ones learned, the answer loss equals
 transformers' own causal-LM loss and the token accuracy a hand count, a run learns the responses (token
-accuracy above the base model's), and the exported adapter reloaded with stock PEFT scores what results.json
-says; what cannot apply to free text is refused in one line."""
+accuracy above the base model's), the exported adapter reloaded with stock PEFT scores what results.json says,
+greedy responses are scored by ROUGE-L as stock `generate` and `rouge_score` score them; what cannot apply to
+free text is refused in one line."""
 
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ def test_answer_loss_is_transformers_causal_lm_loss_and_token_accuracy_a_hand_co
 def trained_free(free_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("free_run") / "run"
     config = make_config(None, [str(free_dir)], out, base_model=TINY_LLAMA, base_model_id=None, max_length=256,
-                         num_clients=2, rounds=2, local_steps=15, learning_rate=1e-2, lora_r=8, export=True)
+                         num_clients=2, rounds=2, local_steps=15, learning_rate=1e-2, lora_r=8, export=True,
+                         generation_eval=True)
     return config, run(config)
 
 
@@ -172,17 +174,51 @@ def test_a_run_learns_the_responses_and_the_stock_peft_reload_scores_the_same(tr
     assert standalone["token_accuracy"] == pytest.approx(r["token_accuracy"], abs=1e-6)
 
 
+def test_greedy_responses_are_scored_by_rouge_l_as_stock_generate_and_rouge_score_score_them(trained_free):
+    from peft import PeftModel
+    from rouge_score import rouge_scorer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_fedtask.engine.announce import end_lines
+
+    config, results = trained_free
+    r = results["tasks"]["describe"]
+    assert results["mean_rougeL"] == r["rougeL"] and "exact_match" not in r
+    assert any(line.startswith("generation ROUGE-L: mean ") for line in end_lines(results))
+    folder = Path(config.output_dir) / "adapters" / "describe"
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_base_model(TINY_LLAMA).load_path),
+                                      folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    test = load_task(config.tasks[0]).dataset["test"]
+    end = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    longest = max(len(tokenizer(a, add_special_tokens=False)["input_ids"]) + len(end) for a in test["answer"])
+    scorer, scores = rouge_scorer.RougeScorer(["rougeL"]), []
+    for row in test:
+        messages = [{"role": "user", "content": f"Describe the item.\n\n{row['prompt']}"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=longest, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        reply = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        scores.append(scorer.score(row["answer"], reply)["rougeL"].fmeasure)
+    assert r["rougeL"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+    from hf_fedtask.engine.environment import Environment
+    from hf_fedtask.engine.server import Server
+
+    env = Environment(config)
+    base = Server(env).evaluate_generation(env.initial)["describe"]["rougeL"]  # the base model's own responses
+    print(f"ROUGE-L: base {base:.3f}, trained {r['rougeL']:.3f}")
+    assert r["rougeL"] >= base + 0.05, (base, r["rougeL"])  # the trained adapter writes the responses' words
+
+
 def test_what_needs_labels_is_refused_for_free_text_in_one_line(free_dir, tiny_bert_dir, tmp_path):
     common = dict(base_model=TINY_LLAMA, base_model_id=None, max_length=256, num_clients=2)
-    with pytest.raises(ConfigError, match="generation_eval: exact match scores answers against label words; task "
-                                          "'describe' answers in free text"):
-        run(make_config(None, [str(free_dir)], tmp_path / "gen", generation_eval=True, **common))
     with pytest.raises(ConfigError, match="backdoor_client: a backdoor flips labels; task 'describe'"):
         run(make_config(None, [str(free_dir)], tmp_path / "bd", backdoor_client=0, **common))
     with pytest.raises(ConfigError, match="task 'describe' answers in free text, which a causal LM writes; base "
                                           "model .* is a classifier"):
         run(make_config(tiny_bert_dir, [str(free_dir)], tmp_path / "cls", num_clients=2))
-    assert not any((tmp_path / name).exists() for name in ("gen", "bd", "cls"))
+    assert not any((tmp_path / name).exists() for name in ("bd", "cls"))
 
 
 @pytest.mark.parametrize("strategy,options,overrides", [

@@ -92,22 +92,43 @@ def generation_exact_match(host: PeftHost, state: TaskVector, data: Dataset, lab
     """A causal LM's greedy answers to `data`'s prompts against each example's label word, scored by
     the `exact_match` evaluate module (`hf_fedtask.metrics`); generation stops after the longest word.
     `progress`: as `predict_batches`' (greedy decoding is the slowest scoring there is)."""
-    from hf_fedtask.model.instructions import generate_answers, label_words
+    from hf_fedtask.model.instructions import label_words
 
     if not label_names:
-        raise ConfigError("generation_eval: exact match scores answers against label words; a free-text task has "
-                          "none (it is scored by token_accuracy on its reference answers)")
+        raise ConfigError("generation_exact_match: exact match scores answers against label words; a free-text "
+                          "task has none (generation_rouge_l scores its responses)")
     words = label_words(label_names)
     longest = max(len(ids) for ids in host.inputs.choice_ids(words))
-    loader = DataLoader(data, batch_size=batch_size, collate_fn=host.inputs.eval_collator)
+    answers = _greedy_answers(host, state, data, batch_size, longest + 1, progress)
+    return compute("exact_match", [words[y] for y in labels_of(data)], answers)
+
+
+def generation_rouge_l(host: PeftHost, state: TaskVector, data: Dataset, references, batch_size: int = 128, *,
+                       progress=None) -> float:
+    """A causal LM's greedy responses to a free-text task's prompts (`data`, prepared) against its reference
+    responses (`references`, in `data`'s order), scored by ROUGE-L F-measure through the `rougeL` evaluate
+    module (`hf_fedtask.metrics`); generation stops at the end of turn or after the longest reference's
+    tokens. `progress`: as `predict_batches`'."""
+    longest = max(data.with_format("numpy", columns=["answer_length"])[:]["answer_length"], default=1)
+    responses = _greedy_answers(host, state, data, batch_size, int(longest), progress)
+    return compute("rougeL", list(references), responses)
+
+
+def _greedy_answers(host: PeftHost, state: TaskVector, data: Dataset, batch_size: int, max_new_tokens: int,
+                    progress) -> list[str]:
+    """Greedy answers of the host model carrying `state` to `data`'s prompts (left-padded, prompts only)."""
+    from hf_fedtask.model.instructions import generate_answers
+
+    prompts = host.inputs.eval_collator.prompts
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=prompts)
     answers = []
     bar, owned = _bar(progress, len(data))
     with host.loaded(state) as model, host.autocast(), (bar if owned else contextlib.nullcontext()):
         model.eval()
         for batch in loader:
-            answers += generate_answers(model, host.inputs.processor, to_device(batch, host.device), longest + 1)
+            answers += generate_answers(model, host.inputs.processor, to_device(batch, host.device), max_new_tokens)
             bar.update(len(batch["input_ids"]))
-    return compute("exact_match", [words[y] for y in labels_of(data)], answers)
+    return answers
 
 
 def score(preds: np.ndarray, data: Dataset, metric: str = "accuracy") -> dict:

@@ -74,14 +74,15 @@ def announce_start(env, server, threads: str) -> str:
 
 
 def end_lines(results: dict) -> list[str]:
-    """The headline results the table does not show: generation exact match (per task and mean) and the
+    """The headline results the table does not show: generation exact match or ROUGE-L (per task and mean) and the
     privacy spent. Read defensively: a key a run does not have is left out."""
     lines = []
-    if "mean_exact_match" in results:
-        per_task = ", ".join(f"{name} {r['exact_match']:.4f}" for name, r in results.get("tasks", {}).items()
-                             if isinstance(r.get("exact_match"), (int, float)))
-        lines.append(f"generation exact match: mean {results['mean_exact_match']:.4f}"
-                     + (f" ({per_task})" if per_task else ""))
+    for key, name in (("exact_match", "exact match"), ("rougeL", "ROUGE-L")):
+        if f"mean_{key}" in results:
+            per_task = ", ".join(f"{task} {r[key]:.4f}" for task, r in results.get("tasks", {}).items()
+                                 if isinstance(r.get(key), (int, float)))
+            lines.append(f"generation {name}: mean {results[f'mean_{key}']:.4f}"
+                         + (f" ({per_task})" if per_task else ""))
     privacy = results.get("privacy")
     if isinstance(privacy, dict) and "epsilon" in privacy:
         epsilon = privacy["epsilon"]

@@ -37,8 +37,7 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
              "chance": t.chance, "group": t.group, **({"instruction": t.instruction} if t.instruction else {})}
         if t.name in compact:
             r[f"{t.metric}_compact"] = compact[t.name]
-        if t.name in generated:
-            r["exact_match"] = generated[t.name]
+        r.update(generated.get(t.name, {}))  # exact_match, or a free-text task's rougeL
         if t.name in reference and reference[t.name].get(t.metric):
             r["individual_centralized"] = reference[t.name][t.metric]
             r["normalized"] = r[t.metric] / r["individual_centralized"]
@@ -47,8 +46,10 @@ def summarize_results(env: Environment, state: GlobalState, history: list[dict],
         tasks[t.name] = r
     normalized = [r["normalized"] for r in tasks.values() if "normalized" in r]
     summary_extra = {"mean_metric_compact": float(np.mean(list(compact.values())))} if compact else {}
-    if generated:
-        summary_extra["mean_exact_match"] = float(np.mean(list(generated.values())))
+    for key in ("exact_match", "rougeL"):
+        values = [g[key] for g in generated.values() if key in g]
+        if values:
+            summary_extra[f"mean_{key}"] = float(np.mean(values))
     if compact and len(normalized) == len(tasks):
         summary_extra["mean_normalized_compact"] = float(np.mean([r["normalized_compact"] for r in tasks.values()]))
     return {

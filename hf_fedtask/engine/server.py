@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_fedtask.client.evaluation import generation_exact_match, predict, score
+from hf_fedtask.client.evaluation import generation_exact_match, generation_rouge_l, predict, score
 from hf_fedtask.client.trainer import LocalTrainingArgs
 from hf_fedtask.core.files import write_atomic
 from hf_fedtask.core.progress import progress_bar
@@ -122,11 +122,6 @@ class Server:
                                   f"{env.host.base.model_id} is a classifier")
             if env.host.causal_lm:
                 env.host.inputs.check_room(t)
-        free_text = [t.name for t in env.tasks if t.free_text]
-        if self.config.generation_eval and free_text:
-            raise ConfigError(f"generation_eval: exact match scores answers against label words; task "
-                              f"{free_text[0]!r} answers in free text (scored by token_accuracy on its reference "
-                              "answers)")
         if self.config.generation_eval and not env.host.causal_lm:
             raise ConfigError(f"generation_eval: base model {env.host.base.model_id} is a classifier; greedy answers "
                               "are scored for a causal LM only")
@@ -321,16 +316,25 @@ class Server:
                                   self.env.test_data(t.name), t.metric)[t.metric]
                     for t in tasks}
 
-    def evaluate_generation(self, state: GlobalState, stores: dict | None = None) -> dict[str, float]:
-        """Each task's exact match of greedy answers with its label words (`generation_eval`, a causal LM
-        only): what a stock text-generation pipeline answers, where the metric scores choices."""
-        host, tasks = self.env.host, self.env.tasks
+    def evaluate_generation(self, state: GlobalState, stores: dict | None = None) -> dict[str, dict[str, float]]:
+        """Each task's score of greedy generation (`generation_eval`, a causal LM only): what a stock
+        text-generation pipeline answers, where the task's metric scores choices or teacher-forced tokens.
+        `{task: {"exact_match": v}}` against a task's label words, `{task: {"rougeL": v}}` against a free-text
+        task's reference responses."""
+        host, tasks, batch = self.env.host, self.env.tasks, self.config.eval_batch_size
+        out = {}
         with progress_bar(desc="generation eval", total=self._test_examples([t.name for t in tasks]), unit="ex",
                           leave=False) as bar:
-            return {t.name: generation_exact_match(host, self.env.task_view(self.strategy.task_parameters(
-                        state, t.name, stores), t.name), self.env.test_data(t.name), t.label_names,
-                        self.config.eval_batch_size, progress=bar)
-                    for t in tasks}
+            for t in tasks:
+                params = self.env.task_view(self.strategy.task_parameters(state, t.name, stores), t.name)
+                data = self.env.test_data(t.name)
+                if t.free_text:
+                    references = t.dataset["test"][t.label_column]  # the prepared split's rows, in its order
+                    out[t.name] = {"rougeL": generation_rouge_l(host, params, data, references, batch, progress=bar)}
+                else:
+                    out[t.name] = {"exact_match": generation_exact_match(host, params, data, t.label_names, batch,
+                                                                         progress=bar)}
+        return out
 
     def _test_examples(self, names: list[str]) -> int:
         """How many test examples tasks `names` have: a progress bar's total, counted on the raw splits so that

@@ -1,6 +1,6 @@
 """The run's metrics, computed by `evaluate` modules shipped in this package (loaded by path, so
-offline): `accuracy`, `f1_macro` (the `f1` module with average="macro") and `exact_match` (strings); and a
-free-text task's `token_accuracy` (below).
+offline): `accuracy`, `f1_macro` (the `f1` module with average="macro"), `exact_match` and `rougeL` (strings);
+and a free-text task's `token_accuracy` (below).
 
     from hf_fedtask.metrics import load_metric
     load_metric("accuracy").compute(predictions=[0, 1], references=[0, 0])  # {'accuracy': 0.5}
@@ -21,6 +21,7 @@ METRICS = {  # run metric -> (evaluate module file, compute kwargs, result key)
     "accuracy": ("accuracy.py", {}, "accuracy"),
     "f1_macro": ("f1.py", {"average": "macro"}, "f1"),
     "exact_match": ("exact_match.py", {}, "exact_match"),  # a causal LM's greedy answers against its label words
+    "rougeL": ("rouge.py", {}, "rougeL"),  # a causal LM's greedy responses against a free-text task's references
 }
 
 
