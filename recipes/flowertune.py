@@ -242,7 +242,12 @@ def base_model_scores(config: RunConfig) -> dict:
     from hf_fedtask.engine.server import Server
 
     env = Environment(config)
-    return Server(env).evaluate(env.initial)
+    server = Server(env)
+    scores = server.evaluate(env.initial)
+    if config.generation_eval:  # the base model's greedy responses too (ROUGE-L)
+        for task, extra in server.evaluate_generation(env.initial).items():
+            scores[task].update(extra)
+    return scores
 
 
 def score_cells(config: RunConfig, results: dict, challenge: str, base: dict | None) -> tuple[str, str]:
@@ -254,6 +259,10 @@ def score_cells(config: RunConfig, results: dict, challenge: str, base: dict | N
         return ("held-out accuracy % (not a leaderboard score)",
                 f"{100 * r['accuracy']:.1f} (majority label {100 * r['chance']:.1f})")
     b = base[task]
+    if "rougeL" in r:  # --generation-eval: the greedy responses' ROUGE-L too
+        return ("held-out token accuracy %, answer loss, ROUGE-L % of greedy responses (not a leaderboard score)",
+                f"{100 * r['token_accuracy']:.1f}, {r['answer_loss']:.3f}, {100 * r['rougeL']:.1f} (base model: "
+                f"{100 * b['token_accuracy']:.1f}, {b['answer_loss']:.3f}, {100 * b['rougeL']:.1f})")
     return ("held-out token accuracy %, answer loss (not a leaderboard score)",
             f"{100 * r['token_accuracy']:.1f}, {r['answer_loss']:.3f} (base model: {100 * b['token_accuracy']:.1f}, "
             f"{b['answer_loss']:.3f})")

@@ -200,3 +200,12 @@ def test_the_recipe_runs_a_free_text_challenge_and_scores_it_against_the_base_mo
     base = float(cell.split("(base model: ")[1].split(",")[0])
     assert 100 * r["token_accuracy"] >= base + 10, cell  # the responses are learned, well past the base model
     assert "MMLU accuracy" in text and "--category=stem,social_sciences,humanities" in text
+    # with --generation-eval, the greedy responses' ROUGE-L beside the base model's
+    out = tmp_path / "general_gen"
+    assert recipe.main(["--challenge", "general", "--data", str(rows), "--base-model", "hf-fedtask/tiny-llama",
+                        "--no-load-in-4bit", "--rounds", "1", "--local-steps", "2", "--batch-size", "4",
+                        "--max-length", "256", "--generation-eval", "--holdout", "20",
+                        "--output-dir", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())["tasks"]["free"]
+    cell = (out / "flowertune.md").read_text().split("\n")[4]
+    assert f"{100 * r['token_accuracy']:.1f}, {r['answer_loss']:.3f}, {100 * r['rougeL']:.1f} (base model: " in cell
