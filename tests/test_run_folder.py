@@ -45,18 +45,16 @@ def test_a_second_process_on_a_run_folder_is_refused_naming_the_holder(tiny_conf
     from hf_fedtask.core.files import folder_lock
 
     out = tmp_path / "run"
-    cli = [sys.executable, "-m", "hf_fedtask.cli"]
-    assert subprocess.run([*cli, *_argv(tiny_config, out, 2, "--no-export")], capture_output=True).returncode == 0
+    assert main(_argv(tiny_config, out, 2, "--no-export")) == 0
     before = _snapshot(out)
-    resume = [*cli, *_argv(tiny_config, out, 3, "--no-export", "--resume")]
-    with folder_lock(out):  # this test process is "the first run"
-        second = subprocess.run(resume, capture_output=True, text=True)
+    resume = _argv(tiny_config, out, 3, "--no-export", "--resume")
+    with folder_lock(out):  # this test process is "the first run"; the second is another process
+        second = subprocess.run([sys.executable, "-m", "hf_fedtask.cli", *resume], capture_output=True, text=True)
     assert second.returncode == 2
     err = second.stderr.strip().splitlines()
     assert len(err) == 1 and "in use by pid" in err[0] and f"pid {os.getpid()}" in err[0], second.stderr
     assert _snapshot(out) == before
-    resumed = subprocess.run(resume, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    assert main(resume) == 0  # the holder gone, the same command runs
     assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
