@@ -498,7 +498,7 @@ def test_the_difference_form_lies_between_the_target_and_the_retained_forms(back
     state, env, strategy = finished.state, finished.env, finished.env.strategy
     samples = {int(c): n for c, n in state.scalars["gradient_samples"].items()}
     share = samples[0] / sum(samples.values())
-    options = dict(rho=0.01, tolerance=1e-9, iterations=500)
+    options = dict(rho=0.01, tolerance=1e-6, iterations=500)  # the gap is float32's (3.7e-6), not the solve's
     w = {form: task_model(strategy.remove_client(state, env, 0, RemovalOptions(gradient=form, **options)).state.vectors,
                           "digits") for form in ("target", "retained", "difference")}
     mix = w["retained"] * share + w["target"] * (1 - share)
