@@ -18,7 +18,7 @@ from hf_fedtask.client.trainer import LocalTrainingArgs
 from hf_fedtask.config import RunConfig
 from hf_fedtask.engine.inprocess import Federation
 from hf_fedtask.engine.run import run
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import ConfigError, ProtocolError
 
 LR, LR_MIN = 1e-2, 1e-3
 
@@ -107,6 +107,18 @@ def test_the_round_reaches_a_flower_client_app(optimizer_rates, tiny_bert_dir, t
     assert_same_run(reference, tmp_path / "flower")
     assert [r["learning_rate"] for r in read_records(tmp_path / "flower")] == [
         pytest.approx(cosine_annealing(r, 2, LR, LR_MIN), rel=1e-12) for r in (1, 2)]
+
+
+def test_a_round_outside_the_run_is_refused_by_a_cosine_client(tiny_bert_dir, tiny_tasks_dir, tmp_path):
+    """The round arrives in the server's instruction: past the last round the cosine would climb again, so the
+    client refuses it rather than train at a rate the run never set; a constant schedule has a rate for any."""
+    config = make_config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "c", rounds=2, lr_round_schedule="cosine",
+                         learning_rate=LR, learning_rate_min=LR_MIN)
+    fed = Federation(config)
+    with pytest.raises(ProtocolError, match=r"round 3 is outside this run's rounds 1\.\.2: lr_round_schedule cosine"):
+        fed.run_round(fed.initial_state(), 3)
+    constant = Federation(make_config(tiny_bert_dir, tiny_tasks_dir, tmp_path / "k", rounds=2))
+    assert constant.run_round(constant.initial_state(), 3)[1]["learning_rate"] == 1e-2
 
 
 def test_a_cosine_run_resumes_only_with_its_rounds(tiny_bert_dir, tiny_tasks_dir, tmp_path):

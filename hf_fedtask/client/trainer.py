@@ -20,7 +20,7 @@ from hf_fedtask.client.lean import LeanLoop, lean_unsupported
 from hf_fedtask.client.objectives import Objective
 from hf_fedtask.client.round_schedule import round_learning_rate
 from hf_fedtask.core.taskvector import TaskVector
-from hf_fedtask.errors import ConfigError
+from hf_fedtask.errors import ConfigError, ProtocolError
 from hf_fedtask.model.device import hide_launch_from_trainers
 from hf_fedtask.model.host import PeftHost
 
@@ -177,7 +177,11 @@ class LocalTrainer:
     @contextmanager
     def at_round(self, round_: int, rounds: int) -> Iterator[LocalTrainer]:
         """Train with round `round_`'s recipe (`LocalTrainingArgs.for_round`: its learning rate) inside the block,
-        on every loop (Trainer, lean, batched); the run's recipe again after it."""
+        on every loop (Trainer, lean, batched); the run's recipe again after it. The round comes from the server's
+        instruction: under a round schedule one outside 1..rounds has no rate and is refused (ProtocolError)."""
+        if self.args.lr_round_schedule != "constant" and not 1 <= round_ <= rounds:
+            raise ProtocolError(f"round {round_} is outside this run's rounds 1..{rounds}: lr_round_schedule "
+                                f"{self.args.lr_round_schedule} has no learning rate for it")
         self._use(self.args.for_round(round_, rounds))
         try:
             yield self
